@@ -1,0 +1,20 @@
+"""The pipeline as a Prefect flow: prepare -> extract -> vocab -> train -> validate.
+
+Each stage is a task (flows/stages.py) wrapping a plain function in tasks/; this file is the
+whole DAG.
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from flows.stages import prepare_task
+from tasks.config import PipelineConfig
+from tasks.demo_assets import resolve_config
+
+
+@flow(name="eagle3-draft")
+def eagle3_pipeline(config: PipelineConfig) -> dict:
+    config = resolve_config(config)  # demo://... paths become local assets
+    prepared = prepare_task(config)
+    return {"prepared": prepared}

