@@ -58,6 +58,11 @@ class ExtractSettings(Section):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vLLM backend.")
     workers: int = Field(1, gt=0, description="Data-parallel extraction processes (one per GPU).")
     reserve_disk_gb: float = Field(5.0, ge=0, description="Refuse to start unless this much disk stays free.")
+    verify: Literal["full", "quick"] = Field(
+        "full",
+        description="After extraction: 'full' re-reads every byte against its checksum; 'quick' trusts shards "
+        "unchanged since they were written and checksummed (for multi-TB runs) and checks their token ids.",
+    )
 
     @field_validator("aux_layers")
     @classmethod

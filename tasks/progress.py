@@ -1,0 +1,149 @@
+"""Progress for long stages: a log line every few seconds, a bar on a terminal, and a callback
+(the Prefect task turns it into a progress artifact). Rates and ETAs are measured on the run
+itself, never extrapolated from a toy run.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import psutil
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProgressEvent:
+    stage: str
+    done: float
+    total: float
+    unit: str
+    rate: float | None  # units per second, measured since the first unit
+    eta_s: float | None
+    elapsed_s: float
+    note: str = ""
+
+    @property
+    def fraction(self) -> float:
+        return min(1.0, self.done / self.total) if self.total else 1.0
+
+    def describe(self) -> str:
+        rate = f", {number(self.rate)} {self.unit}/s" if self.rate else ""
+        eta = f", ETA {format_seconds(self.eta_s)}" if self.eta_s is not None else ""
+        note = f" ({self.note})" if self.note else ""
+        return (f"{self.stage}: {number(self.done)}/{number(self.total)} {self.unit} ({100 * self.fraction:.1f}%)"
+                f"{rate}{eta}, {format_seconds(self.elapsed_s)} elapsed{note}")
+
+
+ProgressCallback = Callable[[ProgressEvent], None]
+
+
+def number(x: float) -> str:
+    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
+def format_seconds(s: float) -> str:
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+class Progress:
+    def __init__(self, stage: str, total: float, unit: str, callback: ProgressCallback | None = None,
+                 log_every_s: float = 10.0, done: float = 0.0):
+        self.stage, self.total, self.unit = stage, total, unit
+        self.callback = callback
+        self.log_every_s = log_every_s
+        self.start = time.monotonic()
+        self.done = done
+        self._rate_start: tuple[float, float] | None = None  # (time, done) when measuring began
+        self._last_log = 0.0
+        self._bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, initial=done, unit=unit, desc=stage, unit_scale=True, dynamic_ncols=True)
+
+    def event(self, note: str = "") -> ProgressEvent:
+        now = time.monotonic()
+        rate = eta = None
+        if self._rate_start is not None and now > self._rate_start[0]:
+            rate = (self.done - self._rate_start[1]) / (now - self._rate_start[0])
+            eta = (self.total - self.done) / rate if rate > 0 else None
+        return ProgressEvent(self.stage, self.done, self.total, self.unit, rate, eta, now - self.start, note)
+
+    def update(self, n: float, note: str = "", force: bool = False) -> None:
+        if self._rate_start is None:
+            # The first unit includes warm-up (allocation, compilation): rates start after it.
+            self._rate_start = (time.monotonic(), self.done + n)
+        self.done += n
+        if self._bar is not None:
+            self._bar.update(n)
+        now = time.monotonic()
+        if force or now - self._last_log >= self.log_every_s or self.done >= self.total:
+            self._last_log = now
+            ev = self.event(note)
+            log.info("%s", ev.describe())
+            if self.callback is not None:
+                self.callback(ev)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+class LoadMonitor:
+    """Logs while a model loads: elapsed time, bytes read from disk, bytes materialized (GPU
+    memory allocated, or resident memory on CPU) against the size of the weight files. A
+    22-minute load with nothing in the log is indistinguishable from a hang."""
+
+    def __init__(self, what: str, weight_bytes: int, callback: ProgressCallback | None = None,
+                 every_s: float = 10.0):
+        self.what, self.weight_bytes, self.callback, self.every_s = what, weight_bytes, callback, every_s
+        self._stop = threading.Event()
+        self._proc = psutil.Process()
+
+    def _read_bytes(self) -> int:
+        try:
+            return self._proc.io_counters().read_bytes
+        except (psutil.AccessDenied, AttributeError):
+            return 0
+
+    def _materialized(self) -> int:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            return sum(torch.cuda.memory_allocated(d) for d in range(torch.cuda.device_count()))
+        return max(0, self._proc.memory_info().rss - self._rss0)
+
+    def _report(self, final: bool = False) -> None:
+        elapsed = time.monotonic() - self._t0
+        read = self._read_bytes() - self._read0
+        done = self._materialized()
+        ev = ProgressEvent(f"load {self.what}", done / 1e9, self.weight_bytes / 1e9, "GB", None, None, elapsed,
+                           note=f"{read / 1e9:.1f} GB read from disk" + (", done" if final else ""))
+        log.info("%s", ev.describe())
+        if self.callback is not None:
+            self.callback(ev)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self._report()
+
+    def __enter__(self) -> LoadMonitor:
+        self._t0 = time.monotonic()
+        self._read0 = self._read_bytes()
+        self._rss0 = self._proc.memory_info().rss
+        log.info("loading %s: %d weight bytes (%.1f GB)", self.what, self.weight_bytes, self.weight_bytes / 1e9)
+        self._thread = threading.Thread(target=self._run, daemon=True, name="load-monitor")
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._report(final=exc[0] is None)

@@ -1,0 +1,153 @@
+"""Extraction with the transformers backend: real SmolLM2 on real ShareGPT samples."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from tasks.extract import ExtractError, ExtractJob, run_extraction
+from tasks.prepare import load_prepared, prepare
+from tasks.shards import Journal, ShardReader, read_metadata
+
+SETTINGS = {"batch_tokens": 2048, "shard_tokens": 1500}
+
+
+@pytest.fixture(scope="module")
+def prepared(smollm2, sharegpt, tmp_path_factory):
+    return prepare(smollm2, [sharegpt], tmp_path_factory.mktemp("prep"), max_seq_len=256, max_rows=30)
+
+
+def job_for(prepared, smollm2, out: Path, **settings) -> ExtractJob:
+    return ExtractJob(prepared.path, prepared.fingerprint, smollm2, str(out), settings={**SETTINGS, **settings})
+
+
+@pytest.fixture(scope="module")
+def reference(prepared, smollm2, tmp_path_factory):
+    """An uninterrupted single-process extraction, the yardstick of the other tests."""
+    out = tmp_path_factory.mktemp("reference")
+    result = run_extraction(job_for(prepared, smollm2, out), in_process=True)
+    return out, result
+
+
+def shard_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.glob("shard-*.safetensors"))}
+
+
+def test_states_equal_a_direct_forward_last_layer_pre_norm(reference, prepared, smollm2):
+    from transformers import AutoModelForCausalLM
+
+    _, result = reference
+    assert result.layers == [2, 15, 27, 30] and result.shards >= 4
+    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.bfloat16).eval()
+    pre_norm = {}
+    model.model.layers[-1].register_forward_hook(lambda m, a, out: pre_norm.setdefault("h", out))
+    reader = ShardReader(result.manifest)
+    data = load_prepared(prepared.path)
+    row_of = {sid: i for i, sid in enumerate(data["sample_id"])}
+    for i in range(0, len(reader), 7):
+        input_ids, stored = reader[i]
+        assert input_ids.tolist() == data[row_of[reader.sample_ids[i]]]["input_ids"]
+        pre_norm.clear()
+        with torch.no_grad():
+            out = model(input_ids[None], output_hidden_states=True)
+        expected = [out.hidden_states[2], out.hidden_states[15], out.hidden_states[27], pre_norm["h"]]
+        assert stored.shape == (len(input_ids), 4, 576) and stored.dtype == torch.bfloat16
+        for j, ref in enumerate(expected):
+            cos = torch.nn.functional.cosine_similarity(stored[:, j].float(), ref[0].float(), dim=-1)
+            assert cos.min() > 0.995, (i, j, cos.min())
+        # and the last one is not the post-norm state transformers reports as hidden_states[30]
+        post = torch.nn.functional.cosine_similarity(stored[:, 3].float(), out.hidden_states[30][0].float(), dim=-1)
+        assert post.mean() < 0.9
+
+
+def test_kill_mid_run_then_resume_redoes_at_most_the_shard_in_flight(reference, prepared, smollm2, tmp_path):
+    ref_dir, ref_result = reference
+    job = job_for(prepared, smollm2, tmp_path)
+    job_file = tmp_path / "job.json"
+    job_file.write_text(json.dumps(asdict(job)))
+    worker = subprocess.Popen([sys.executable, "-m", "tasks.extract", "--job", str(job_file)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not Journal(tmp_path).entries() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    worker.send_signal(signal.SIGKILL)
+    worker.wait()
+    finished = shard_bytes(tmp_path)
+    assert 1 <= len(finished) < ref_result.shards
+    result = run_extraction(job, in_process=True)
+    assert result.shards_extracted == ref_result.shards - len(finished)
+    after = shard_bytes(tmp_path)
+    assert all(after[name] == data for name, data in finished.items())  # finished shards untouched
+    assert after == shard_bytes(ref_dir)  # identical to the uninterrupted run
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_complete_folder_rerun_does_not_load_the_verifier(reference, prepared, smollm2):
+    ref_dir, ref_result = reference
+    result = run_extraction(job_for(prepared, smollm2, ref_dir), in_process=True)
+    assert (result.verifier_loaded, result.shards_extracted) == (False, 0)
+    assert result.manifest == ref_result.manifest
+
+
+def test_changed_layers_make_old_shards_stale(reference, prepared, smollm2, tmp_path):
+    ref_dir, _ = reference
+    shutil.copytree(ref_dir, tmp_path, dirs_exist_ok=True)
+    result = run_extraction(job_for(prepared, smollm2, tmp_path, aux_layers=[3, 14, 26]), in_process=True)
+    assert result.verifier_loaded and result.shards_extracted == result.shards
+    assert result.layers == [3, 14, 26, 30]
+    manifest = json.loads(Path(result.manifest).read_text())
+    for shard in manifest["shards"]:
+        assert json.loads(read_metadata(tmp_path / shard["name"])["layers"]) == [3, 14, 26, 30]
+    assert len(list(tmp_path.glob("shard-*"))) == 2 * result.shards  # the old ones were never reused
+
+
+def test_truncated_or_corrupt_shard_is_detected_and_redone(reference, prepared, smollm2, tmp_path):
+    ref_dir, _ = reference
+    shutil.copytree(ref_dir, tmp_path, dirs_exist_ok=True)
+    shards = sorted(tmp_path.glob("shard-*.safetensors"))
+    with shards[0].open("r+b") as f:
+        f.truncate(shards[0].stat().st_size // 2)
+    data = bytearray(shards[1].read_bytes())
+    data[-100] ^= 0xFF  # one flipped byte in the hidden states
+    shards[1].write_bytes(bytes(data))
+    result = run_extraction(job_for(prepared, smollm2, tmp_path), in_process=True)
+    assert result.shards_extracted == 2
+    assert shard_bytes(tmp_path) == shard_bytes(ref_dir)
+
+
+def test_two_worker_processes_fill_one_folder(reference, prepared, smollm2, tmp_path):
+    ref_dir, ref_result = reference
+    progress = []
+    result = run_extraction(job_for(prepared, smollm2, tmp_path, workers=2), callback=progress.append)
+    assert result.shards_extracted == ref_result.shards
+    assert shard_bytes(tmp_path) == shard_bytes(ref_dir)
+    reader = ShardReader(result.manifest)
+    assert sorted(reader.sample_ids) == sorted(load_prepared(prepared.path)["sample_id"])
+    assert progress and progress[-1].done == progress[-1].total == ref_result.tokens
+    writers = {p.name for p in (tmp_path / "journal").glob("*.jsonl")}
+    assert len(writers) == 2
+
+
+def test_bad_inputs_fail_before_loading(prepared, smollm2, tmp_path):
+    from tasks.verifier import VerifierError
+
+    with pytest.raises(VerifierError, match="outside the verifier's depth"):
+        run_extraction(job_for(prepared, smollm2, tmp_path, aux_layers=[2, 15, 40]), in_process=True)
+    with pytest.raises(ExtractError, match="not enough disk"):
+        run_extraction(job_for(prepared, smollm2, tmp_path, reserve_disk_gb=1e9), in_process=True)
+    with pytest.raises(ExtractError, match="exceeds extract.batch_tokens"):
+        run_extraction(job_for(prepared, smollm2, tmp_path, batch_tokens=100), in_process=True)
+    missing = replace(job_for(prepared, smollm2, tmp_path), prepared_path=str(tmp_path / "gone"))
+    with pytest.raises(ExtractError, match="prepared data not found"):
+        run_extraction(missing, in_process=True)
+    assert not list(tmp_path.glob("shard-*"))
