@@ -1,44 +1,179 @@
-"""The stages as Prefect tasks: caching by content, retries, tags, artifacts.
+"""The stages as Prefect tasks: content-keyed caching, retries, tags and artifacts.
 
-The work itself is in tasks/ as plain functions; this module only adds orchestration.
+The work is done by plain functions in tasks/; this module only adds orchestration.
+
+Cache keys are the *content* fingerprints of a stage's inputs (data bytes, tokenizer, verifier
+identity, upstream results, settings) plus the source of the code that does the work, never a
+run id or a path string: re-running with the same inputs is a cache hit in any later run, and
+an edited dataset re-runs prepare and everything downstream. Results are small dataclasses
+(paths, fingerprints, counts), never tensors.
+
+GPU-heavy stages (extract, train) run their work in subprocesses (tasks/extract.py and
+tasks/train.py launch them), so a CUDA abort, OOM kill or segfault fails the task, which
+retries and resumes from the shards or checkpoints on disk, instead of crashing the flow.
 """
 
 from __future__ import annotations
 
 import hashlib
 import inspect
+import json
+from functools import cache
+from pathlib import Path
 
 from prefect import task
-from prefect.artifacts import create_table_artifact
+from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.logging import get_run_logger
+from prefect.tasks import exponential_backoff
 
-from tasks import prepare as prepare_stage
+import tasks.chat_data
+import tasks.extract
+import tasks.hf_backend
+import tasks.prepare
+import tasks.shards
+import tasks.train
+import tasks.train_data
+import tasks.vocab
 from tasks.config import PipelineConfig
+from tasks.extract import ExtractJob, ExtractResult, run_extraction
+from tasks.prepare import PreparedData, prepare, prepare_fingerprint, read_report
+from tasks.progress import ProgressEvent
+from tasks.train import TrainJob, TrainResult, run_training
+from tasks.verifier import inspect_verifier, verifier_fingerprint
+from tasks.vocab import VocabResult, build_vocab
+
+GPU_STAGE = {"retries": 2, "retry_delay_seconds": exponential_backoff(backoff_factor=10), "retry_jitter_factor": 0.2}
 
 
-def _key(*parts: object) -> str:
-    return hashlib.sha256("\0".join(map(str, parts)).encode()).hexdigest()
+@cache
+def code_fingerprint(*modules) -> str:
+    return hashlib.sha256("".join(inspect.getsource(m) for m in modules).encode()).hexdigest()
 
 
-def _prepare_key(ctx, params) -> str:
-    # The content of the data and tokenizer, not the paths: an edited dataset re-runs prepare.
-    c: PipelineConfig = params["config"]
-    fp = prepare_stage.prepare_fingerprint(c.verifier.path, c.data.sources, c.data.max_rows, c.data.max_seq_len)
-    return _key("prepare", fp, c.output_dir, inspect.getsource(prepare_task.fn))
+def cache_key(stage: str, *parts, modules: tuple = ()) -> str:
+    blob = json.dumps([stage, code_fingerprint(*modules), *parts], sort_keys=True, default=str)
+    return f"{stage}-{hashlib.sha256(blob.encode()).hexdigest()}"
+
+
+def stage_dir(config: PipelineConfig, stage: str) -> Path:
+    return Path(config.output_dir) / stage
+
+
+class ProgressArtifact:
+    """A Prefect progress artifact updated in place from progress events (a few per minute)."""
+
+    def __init__(self, description: str):
+        self.id = create_progress_artifact(progress=0.0, description=description)
+        self.logger = get_run_logger()
+
+    def __call__(self, event: ProgressEvent) -> None:
+        update_progress_artifact(self.id, 100 * event.fraction, description=event.describe())
+        self.logger.info(event.describe())
+
+
+def table(rows: dict) -> list[dict]:
+    return [{"item": k, "value": json.dumps(v) if isinstance(v, dict | list) else v} for k, v in rows.items()]
+
+
+# ---------------------------------------------------------------------------------- prepare
+
+
+def _prepare_key(ctx, p) -> str:
+    c: PipelineConfig = p["config"]
+    fp = prepare_fingerprint(c.verifier.path, c.data.sources, c.data.max_rows, c.data.max_seq_len)
+    return cache_key("prepare", fp, c.output_dir, modules=(tasks.prepare, tasks.chat_data))
 
 
 @task(name="prepare", cache_key_fn=_prepare_key, retries=1, retry_delay_seconds=5)
-def prepare_task(config: PipelineConfig) -> prepare_stage.PreparedData:
-    log = get_run_logger()
-    result = prepare_stage.prepare(
-        config.verifier.path, config.data.sources, config.output_dir,
-        max_seq_len=config.data.max_seq_len, max_rows=config.data.max_rows,
-    )
-    report = prepare_stage.read_report(result.path)
+def prepare_task(config: PipelineConfig) -> PreparedData:
+    result = prepare(config.verifier.path, config.data.sources, config.output_dir,
+                     max_seq_len=config.data.max_seq_len, max_rows=config.data.max_rows)
+    report = read_report(result.path)
     create_table_artifact(
-        key="prepare-report",
-        table=[{"metric": k, "value": v} for k, v in report.items() if k != "dropped_examples"],
-        description=f"prepare: {result.rows} rows kept, {result.supervised_tokens} supervised tokens",
+        table=table({k: v for k, v in report.items() if k != "dropped_examples"}), key="prepare-report",
+        description=f"prepare: {result.rows} rows kept of {report['rows_read']}, "
+                    f"{result.supervised_tokens:,} supervised tokens",
     )
-    log.info("prepared data: %s", result.path)
+    get_run_logger().info("prepared data: %s", result.path)
+    return result
+
+
+# ---------------------------------------------------------------------------------- extract
+
+
+def _extract_job(config: PipelineConfig, prepared: PreparedData) -> ExtractJob:
+    return ExtractJob(prepared.path, prepared.fingerprint, config.verifier.path,
+                      str(stage_dir(config, "hidden_states")), config.verifier.dtype,
+                      config.verifier.trust_remote_code, config.extract.model_dump())
+
+
+def _extract_key(ctx, p) -> str:
+    c: PipelineConfig = p["config"]
+    return cache_key("extract", p["prepared"].fingerprint, verifier_fingerprint(c.verifier.path), c.verifier.dtype,
+                     c.extract.model_dump(), c.output_dir,
+                     modules=(tasks.extract, tasks.shards, tasks.hf_backend))
+
+
+@task(name="extract", cache_key_fn=_extract_key, tags=["gpu"], **GPU_STAGE)
+def extract_task(config: PipelineConfig, prepared: PreparedData) -> ExtractResult:
+    def show_plan(plan) -> None:
+        create_table_artifact(table=table(plan.summary()), key="extraction-plan",
+                              description=plan.describe().splitlines()[0])
+
+    result = run_extraction(_extract_job(config, prepared), on_plan=show_plan,
+                            callback=ProgressArtifact("hidden-state extraction"))
+    get_run_logger().info("extraction: %s", result)
+    return result
+
+
+# ---------------------------------------------------------------------------------- vocab
+
+
+def _vocab_key(ctx, p) -> str:
+    c: PipelineConfig = p["config"]
+    return cache_key("vocab", p["prepared"].fingerprint, c.vocab.draft_vocab_size,
+                     inspect_verifier(c.verifier.path).vocab_size, c.output_dir, modules=(tasks.vocab,))
+
+
+@task(name="vocab", cache_key_fn=_vocab_key, retries=1, retry_delay_seconds=5)
+def vocab_task(config: PipelineConfig, prepared: PreparedData) -> VocabResult:
+    result = build_vocab(prepared.path, prepared.fingerprint, config.verifier.path, config.output_dir,
+                         config.vocab.draft_vocab_size)
+    create_table_artifact(table=table(result.__dict__), key="draft-vocabulary",
+                          description=f"{result.draft_vocab_size} draft tokens cover {100 * result.coverage:.2f}% "
+                                      "of supervised tokens")
+    return result
+
+
+# ---------------------------------------------------------------------------------- train
+
+
+def _train_job(config: PipelineConfig, prepared: PreparedData, extracted: ExtractResult,
+               vocab: VocabResult) -> TrainJob:
+    fp = tasks.train.train_fingerprint(extracted.fingerprint, vocab.fingerprint, config.train.model_dump())
+    return TrainJob(extracted.manifest, prepared.path, vocab.path, config.verifier.path,
+                    str(stage_dir(config, "train") / fp[:16]), extracted.layers[:3],
+                    config.verifier.trust_remote_code, config.train.model_dump())
+
+
+def _train_key(ctx, p) -> str:
+    c: PipelineConfig = p["config"]
+    return cache_key("train", p["extracted"].fingerprint, p["vocab"].fingerprint, c.train.model_dump(),
+                     c.output_dir, modules=(tasks.train, tasks.train_data))
+
+
+@task(name="train", cache_key_fn=_train_key, tags=["gpu"], **GPU_STAGE)
+def train_task(config: PipelineConfig, prepared: PreparedData, extracted: ExtractResult,
+               vocab: VocabResult) -> TrainResult:
+    job = _train_job(config, prepared, extracted, vocab)
+    result = run_training(job, extracted.fingerprint, vocab.fingerprint, callback=ProgressArtifact("draft training"))
+    metrics = tasks.train.read_metrics(job.out_dir)
+    val = [m for m in metrics if m["split"] == "val"]
+    create_table_artifact(
+        table=[{k: round(v, 4) if isinstance(v, float) else v for k, v in m.items() if k != "split"} for m in val],
+        key="training-validation",
+        description=f"validation during training; best step {result.best_step}: simulated acceptance length "
+                    f"{result.simulated_acceptance_length:.3f} (k={config.train.ttt_steps})",
+    )
+    get_run_logger().info("draft: %s", result.draft_path)
     return result

@@ -83,19 +83,26 @@ class VocabSettings(Section):
 class TrainSettings(Section):
     epochs: int = Field(10, gt=0)
     max_steps: int | None = Field(None, gt=0, description="Stop after this many optimizer steps.")
+    optimizer: Literal["adamw", "muon"] = Field("adamw", description="speculators' optimizers (muon: 2-D weights).")
     lr: float = Field(3e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(0, ge=0)
-    total_seq_len: int = Field(8192, gt=1, description="Tokens per packed batch (per device).")
-    ttt_steps: int = Field(3, gt=0, description="Training-time-test steps (draft positions trained).")
+    total_seq_len: int = Field(8192, gt=1, description="Tokens per packed micro-batch (per process).")
+    grad_accum_steps: int = Field(1, gt=0, description="Micro-batches per optimizer step and process.")
+    ttt_steps: int = Field(3, gt=0, description="Training-time-test steps: draft positions trained.")
     ttt_step_loss_decay: float = Field(1.0, gt=0)
+    loss: str = Field("kl_div", description="speculators loss name (kl_div, ce, tv, ...) or a JSON weighted mix.")
     num_layers: int = Field(1, gt=0, description="Draft decoder layers (vLLM serves 1).")
     norm_before_residual: bool = True
+    norm_before_fc: bool = Field(False, description="EAGLE 3.1 input norm (honoured by vLLM >= 0.32).")
+    norm_output: bool = Field(False, description="EAGLE 3.1 output norm.")
     seed: int = 0
     val_fraction: float = Field(0.05, ge=0, lt=1, description="Share of samples held out for validation.")
-    eval_every: int = Field(200, gt=0, description="Validate (and checkpoint) every N steps, and at the end.")
-    keep_checkpoints: int = Field(2, gt=0)
+    eval_every: int = Field(200, gt=0, description="Validate and checkpoint every N steps, and at the end.")
+    log_every: int = Field(10, gt=0)
+    keep_checkpoints: int = Field(2, gt=0, description="Recent checkpoints kept, besides the best.")
     nproc: int = Field(1, gt=0, description="Processes for DDP under torchrun (one per GPU).")
+    loader_workers: int = Field(0, ge=0, description="DataLoader worker processes.")
     device: str = "auto"
 
 

@@ -64,6 +64,7 @@ class ExtractError(RuntimeError):
 class ExtractionPlan:
     fingerprint: str  # of the extraction settings; each shard adds its samples
     verifier: str
+    verifier_fingerprint: str
     layers: list[int]  # aux ids then N
     hidden_size: int
     samples: int
@@ -156,9 +157,10 @@ def plan_shards(prepared, extraction_fp: str, shard_tokens: int) -> list[ShardSp
 
 def make_plan(prepared, verifier: VerifierInfo, layers: list[int], out_dir: Path, *, compute_dtype: str,
               shard_tokens: int, check_existing: bool = True) -> ExtractionPlan:
-    fp = extraction_fingerprint(verifier_fingerprint(verifier.path), layers, compute_dtype)
+    verifier_fp = verifier_fingerprint(verifier.path)
+    fp = extraction_fingerprint(verifier_fp, layers, compute_dtype)
     shards = plan_shards(prepared, fp, shard_tokens)
-    plan = ExtractionPlan(fp, str(verifier.path), layers, verifier.hidden_size, len(prepared),
+    plan = ExtractionPlan(fp, str(verifier.path), verifier_fp, layers, verifier.hidden_size, len(prepared),
                           sum(s.tokens for s in shards), shards)
     out_dir.mkdir(parents=True, exist_ok=True)
     plan.free_bytes = shutil.disk_usage(out_dir).free
@@ -307,25 +309,20 @@ class ShardWriter:
         self._raise_if_failed()
 
 
-def extract_shards(plan: ExtractionPlan, prepared, out_dir: Path, backend, *, batch_tokens: int, rank: int = 0,
-                   world_size: int = 1, callback: ProgressCallback | None = None) -> list[dict]:
-    """Extract this worker's pending shards; loads the verifier only if there are any."""
-    mine = [s for s in plan.pending if s.index % world_size == rank]
-    if not mine:
-        log.info("worker %d/%d: no shard to extract, verifier not loaded", rank, world_size)
-        return []
-    for spec in mine:  # partial files of an earlier, killed attempt at these shards
+def extract_shards(shards: list[ShardSpec], plan: ExtractionPlan, prepared, out_dir: Path, backend, *,
+                   batch_tokens: int, label: str = "extract", callback: ProgressCallback | None = None) -> list[dict]:
+    """Capture and write `shards` with a loaded backend; returns their journal lines."""
+    for spec in shards:  # partial files of an earlier, killed attempt at these shards
         for partial in out_dir.glob(f".tmp-{spec.name}.*"):
             partial.unlink(missing_ok=True)
-    backend.load(callback)
     lengths = prepared["seq_len"]
     all_ids = prepared["input_ids"]
     metadata = {"layers": json.dumps(plan.layers), "hidden_size": str(plan.hidden_size),
                 "extraction_fingerprint": plan.fingerprint, "verifier": plan.verifier}
-    writer = ShardWriter(out_dir, max(s.tokens for s in mine), plan.hidden_size, backend.device, metadata)
-    progress = Progress(f"extract[{rank}/{world_size}]", sum(s.tokens for s in mine), "tok", callback)
+    writer = ShardWriter(out_dir, max(s.tokens for s in shards), plan.hidden_size, backend.device, metadata)
+    progress = Progress(label, sum(s.tokens for s in shards), "tok", callback)
     try:
-        for spec in mine:
+        for spec in shards:
             ids = [all_ids[r] for r in spec.rows]
             writer.begin(spec, ids)
             position = {r: i for i, r in enumerate(spec.rows)}
@@ -336,7 +333,6 @@ def extract_shards(plan: ExtractionPlan, prepared, out_dir: Path, backend, *, ba
     finally:
         writer.close()
         progress.close()
-        backend.close()
     return writer.written
 
 
@@ -389,6 +385,7 @@ def write_manifest(plan: ExtractionPlan, prepared_fp: str, out_dir: Path, length
         "extraction_fingerprint": plan.fingerprint,
         "prepared_fingerprint": prepared_fp,
         "verifier": plan.verifier,
+        "verifier_fingerprint": plan.verifier_fingerprint,
         "layers": plan.layers,
         "hidden_size": plan.hidden_size,
         "dtype": str(STORAGE_DTYPE).removeprefix("torch."),
@@ -493,8 +490,17 @@ def run_worker(job: ExtractJob, rank: int = 0, world_size: int = 1,
     out_dir = Path(job.out_dir)
     plan = make_plan(prepared, verifier, layers, out_dir, compute_dtype=job.compute_dtype,
                      shard_tokens=s.shard_tokens)
-    return extract_shards(plan, prepared, out_dir, make_backend(job, verifier, layers), batch_tokens=s.batch_tokens,
-                          rank=rank, world_size=world_size, callback=callback)
+    mine = [spec for spec in plan.pending if spec.index % world_size == rank]
+    if not mine:
+        log.info("worker %d/%d: no shard to extract, verifier not loaded", rank, world_size)
+        return []
+    backend = make_backend(job, verifier, layers)
+    backend.load(callback)
+    try:
+        return extract_shards(mine, plan, prepared, out_dir, backend, batch_tokens=s.batch_tokens,
+                              label=f"extract[{rank}/{world_size}]", callback=callback)
+    finally:
+        backend.close()
 
 
 def run_extraction(job: ExtractJob, *, in_process: bool = False, callback: ProgressCallback | None = None,

@@ -58,6 +58,10 @@ class TransformersBackend:
                 device_map="auto" if self.device == "cuda" else self.device,
                 trust_remote_code=self.trust_remote_code,
             )
+        self.attach(model)
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Use an already built model (benchmarks build random-weight verifiers in memory)."""
         model.eval()
         self.model = model
         self.decoder = model.get_decoder()

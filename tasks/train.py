@@ -1,0 +1,496 @@
+"""Stage 4, train: an EAGLE-3 draft with speculators' model, losses and checkpoint format.
+
+speculators' `Trainer` needs an accelerator (it moves the model to `local_rank` and synchronizes
+the accelerator every step), so this is one lean loop that runs the same on CPU and GPU:
+
+    for each step: for each micro-batch: forward (speculators' Eagle3DraftModel computes the
+    TTT loss and per-position metrics) -> backward; clip; optimizer and schedule step;
+    every eval_every steps: validate, checkpoint, keep the best by simulated acceptance length.
+
+- CPU: sdpa attention, eager loss, float32. GPU: flex attention, bf16 autocast, the model's
+  compiled forward. DDP under torchrun when several processes are launched (gloo on CPU).
+- Checkpoints hold the draft (speculators' `save_pretrained`, float32 for exact resume) and the
+  training state (optimizer, schedule, step, data position, RNG), written to a temporary folder
+  with a COMPLETE marker, then renamed. After a kill, training resumes from the last complete
+  checkpoint and follows the uninterrupted run's trajectory.
+- The best checkpoint is chosen by the *simulated acceptance length* on held-out samples, not
+  by loss (acceptance can peak while loss still falls), and exported in bf16 as `draft/`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from tasks.progress import Progress, ProgressCallback, ProgressEvent
+from tasks.train_data import (
+    ShardDataset,
+    StepBatches,
+    TrainDataError,
+    make_loader,
+    read_manifest,
+    split_indices,
+)
+from tasks.verifier import inspect_verifier, verifier_fingerprint
+from tasks.vocab import load_vocab
+
+log = logging.getLogger(__name__)
+
+TRAIN_FORMAT = "train-v1"
+MODEL_INPUTS = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids",
+                "verifier_last_hidden_states")
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """Everything a training process needs, JSON-serializable for torchrun workers."""
+
+    manifest: str
+    prepared_path: str
+    vocab_path: str
+    verifier_path: str
+    out_dir: str
+    aux_layers: list[int]
+    trust_remote_code: bool = False
+    settings: dict = field(default_factory=dict)  # TrainSettings fields
+
+    @property
+    def train_settings(self):
+        from tasks.config import TrainSettings
+
+        return TrainSettings.model_validate(self.settings)
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    draft_path: str
+    fingerprint: str
+    steps: int
+    best_step: int
+    simulated_acceptance_length: float
+    val_metrics: dict
+    train_tokens_per_s: float | None
+    wall_s: float
+
+
+def simulated_acceptance_length(metrics: dict[str, float], k: int) -> float:
+    """Expected tokens per verification step with k chained draft tokens, greedy: the bonus
+    token plus each draft position i accepted only if all before it were, i.e.
+    1 + sum_i prod_{j<=i} cond_acc_j (vLLM's "mean acceptance length" counts the same way)."""
+    total, survive = 1.0, 1.0
+    for i in range(k):
+        survive *= metrics.get(f"cond_acc_{i}", 0.0)
+        total += survive
+    return total
+
+
+def train_fingerprint(manifest_fp: str, vocab_fp: str, settings: dict) -> str:
+    relevant = {k: v for k, v in settings.items() if k not in ("loader_workers", "device", "log_every")}
+    parts = {"format": TRAIN_FORMAT, "data": manifest_fp, "vocab": vocab_fp, "settings": relevant}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+# ---------------------------------------------------------------- checks before any work
+
+
+def check_inputs(job: TrainJob, manifest: dict) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+    """Shards, vocabulary and verifier belong together; returns (d2t, t2d, draft vocab size)."""
+    verifier = inspect_verifier(job.verifier_path)
+    if manifest.get("verifier_fingerprint") != verifier_fingerprint(job.verifier_path):
+        raise TrainDataError(f"the shards in {Path(job.manifest).parent} were extracted from another verifier "
+                             f"({manifest.get('verifier')}), not {job.verifier_path}")
+    if manifest["layers"] != job.aux_layers + [verifier.num_layers]:
+        raise TrainDataError(f"the shards hold layers {manifest['layers']}, the draft needs "
+                             f"{job.aux_layers + [verifier.num_layers]}")
+    if manifest["hidden_size"] != verifier.hidden_size:
+        raise TrainDataError(f"shard hidden size {manifest['hidden_size']} != verifier's {verifier.hidden_size}")
+    if manifest["samples"] == 0:
+        raise TrainDataError("the extraction holds no samples")
+    d2t, t2d = load_vocab(job.vocab_path, verifier.vocab_size)
+    if d2t.numel() == verifier.vocab_size:
+        return None, None, verifier.vocab_size  # full vocabulary: no mapping (speculators' convention)
+    return d2t, t2d, d2t.numel()
+
+
+# ---------------------------------------------------------------- model and optimizer
+
+
+def build_draft(job: TrainJob, d2t, t2d, draft_vocab_size: int, device: torch.device):
+    """speculators' Eagle3DraftModel from its own factories (full attention in every layer, as
+    vLLM's EAGLE-3 serves it)."""
+    from speculators.models.eagle3 import Eagle3DraftModel
+    from speculators.train.cli import create_transformer_layer_config
+
+    s = job.train_settings
+    layer_config = create_transformer_layer_config(
+        verifier_name_or_path=job.verifier_path, num_layers=s.num_layers, draft_arch="llama", hidden_act=None,
+        sliding_window=s.total_seq_len, full_attention_indices=list(range(s.num_layers)),
+        trust_remote_code=job.trust_remote_code,
+    )
+    attn = "simple_flex_attention" if device.type == "cuda" else "sdpa"  # flex has no CPU backward
+    model = Eagle3DraftModel.from_training_args(
+        verifier_config=layer_config, t2d=t2d, d2t=d2t, verifier_name_or_path=job.verifier_path,
+        draft_vocab_size=draft_vocab_size, norm_before_residual=s.norm_before_residual, ttt_steps=s.ttt_steps,
+        target_layer_ids=job.aux_layers, norm_before_fc=s.norm_before_fc, norm_output=s.norm_output,
+        draft_attn_impl=attn, trust_remote_code=job.trust_remote_code,
+    )
+    return model.to(device)
+
+
+def build_optimizers(model, s, total_steps: int):
+    from speculators.train.optimizers import build_optimizers as speculators_optimizers
+    from transformers import get_cosine_schedule_with_warmup
+
+    settings = argparse.Namespace(optimizer=s.optimizer, lr=s.lr, weight_decay=s.weight_decay, muon_lr=s.lr,
+                                  muon_momentum=0.95, muon_weight_decay=s.weight_decay, muon_ns_steps=5,
+                                  muon_adjust_lr_fn="match_rms_adamw")
+    optimizers = speculators_optimizers(model, settings)
+    schedulers = [get_cosine_schedule_with_warmup(o, s.warmup_steps, max(total_steps, 1)) for o in optimizers]
+    return optimizers, schedulers
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def checkpoint_dirs(out_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (a folder without COMPLETE is never used)."""
+    return sorted(p for p in (out_dir / "checkpoints").glob("step-*") if (p / "COMPLETE").is_file())
+
+
+def save_checkpoint(out_dir: Path, model, optimizers, schedulers, state: dict, keep: int, best_step: int) -> Path:
+    final = out_dir / "checkpoints" / f"step-{state['step']:08d}"
+    tmp = final.with_name(f".tmp-{final.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    torch.save({
+        "optimizers": [o.state_dict() for o in optimizers],
+        "schedulers": [sc.state_dict() for sc in schedulers],
+        "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+        **state,
+    }, tmp / "training_state.pt")
+    (tmp / "COMPLETE").write_text(json.dumps({"step": state["step"]}))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    for old in checkpoint_dirs(out_dir)[:-keep]:
+        if old.name != f"step-{best_step:08d}":
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path: Path, model, optimizers, schedulers) -> dict:
+    from safetensors.torch import load_file
+
+    weights = load_file(str(path / "model.safetensors"), device=str(next(model.parameters()).device))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if unexpected or [k for k in missing if not k.startswith("verifier_")]:
+        raise RuntimeError(f"checkpoint {path} does not fit the draft: missing {missing}, unexpected {unexpected}")
+    state = torch.load(path / "training_state.pt", weights_only=False)
+    for o, sd in zip(optimizers, state["optimizers"], strict=True):
+        o.load_state_dict(sd)
+    for sc, sd in zip(schedulers, state["schedulers"], strict=True):
+        sc.load_state_dict(sd)
+    rng = state["rng"]
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return state
+
+
+def export_draft(model, checkpoint: Path, out_dir: Path) -> Path:
+    """The best checkpoint's weights in bf16, speculators' format: the folder vLLM loads."""
+    from safetensors.torch import load_file
+
+    draft = copy.deepcopy(model).cpu()
+    draft.load_state_dict(load_file(str(checkpoint / "model.safetensors")), strict=False)
+    final = out_dir / "draft"
+    tmp = out_dir / ".tmp-draft"
+    shutil.rmtree(tmp, ignore_errors=True)
+    draft.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    return final
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def reduce_metrics(sums: dict[str, torch.Tensor], distributed: bool) -> dict[str, float]:
+    from speculators.train.utils import normalize_counted_metrics
+
+    keys = sorted(sums)
+    if not keys:
+        return {}
+    stacked = torch.stack([sums[k].float().reshape(()) for k in keys])
+    if distributed:
+        dist.all_reduce(stacked)
+    return normalize_counted_metrics(dict(zip(keys, stacked.tolist(), strict=True)))
+
+
+def accumulate(sums: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor]) -> None:
+    for k, v in metrics.items():
+        if k.endswith(("_sum", "_total")):
+            v = v.detach().float()
+            sums[k] = sums[k] + v if k in sums else v
+
+
+def setup_distributed() -> tuple[int, int, int]:
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return int(os.environ.get("RANK", 0)), world, int(os.environ.get("LOCAL_RANK", 0))
+
+
+def pick_device(setting: str, local_rank: int) -> torch.device:
+    if setting == "auto":
+        return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device(setting)
+
+
+def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> TrainResult | None:
+    """One training process (of `WORLD_SIZE`). Rank 0 checkpoints, exports and returns the result."""
+    t0 = time.monotonic()
+    s = job.train_settings
+    rank, world, local_rank = setup_distributed()
+    device = pick_device(s.device, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    out_dir = Path(job.out_dir)
+    manifest = read_manifest(job.manifest)
+    d2t, t2d, draft_vocab = check_inputs(job, manifest)
+
+    from speculators.losses import resolve_loss_config
+
+    full = ShardDataset(job.manifest, job.prepared_path)
+    train_idx, val_idx = split_indices(full.reader.sample_ids, s.val_fraction)
+    if not train_idx:
+        raise TrainDataError("no training samples after the validation split")
+    train_set = ShardDataset(job.manifest, job.prepared_path, train_idx)
+    val_set = ShardDataset(job.manifest, job.prepared_path, val_idx) if val_idx else None
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    hidden = manifest["hidden_size"]
+    per_epoch = StepBatches(train_set.lengths(), s.total_seq_len, world, 0, s.grad_accum_steps, s.seed, 0).steps
+    if per_epoch == 0:
+        raise TrainDataError(f"{len(train_idx)} training samples give no full step for {world} process(es) x "
+                             f"{s.grad_accum_steps} micro-batches; lower train.total_seq_len or add data")
+    total_steps = min(s.max_steps or 10**18, s.epochs * per_epoch)
+
+    torch.manual_seed(s.seed)
+    model = build_draft(job, d2t, t2d, draft_vocab, device)
+    optimizers, schedulers = build_optimizers(model, s, total_steps)
+    # The fused (Triton) loss needs a GPU and crashes under torch 2.11's dynamo (research/speculators.md);
+    # the eager one is the same loss, computed in plain torch.
+    loss_config = resolve_loss_config(s.loss, "eager")
+    call = {"ttt_steps": s.ttt_steps, "ttt_step_loss_decay": s.ttt_step_loss_decay, "loss_config": loss_config}
+
+    step, best = 0, {"step": -1, "acceptance": -1.0, "metrics": {}}
+    checkpoints = checkpoint_dirs(out_dir)
+    if checkpoints:
+        state = load_checkpoint(checkpoints[-1], model, optimizers, schedulers)
+        step, best = state["step"], state["best"]
+        log.info("resumed from %s (step %d of %d)", checkpoints[-1], step, total_steps)
+    if rank == 0:
+        trim_metrics_log(out_dir, step)
+    net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+
+    def validate() -> dict[str, float]:
+        net.eval()
+        sums: dict[str, torch.Tensor] = {}
+        sampler = StepBatches(val_set.lengths(), s.total_seq_len, world, rank, 1, s.seed, 0) if val_set else []
+        if val_set and len(sampler):
+            with torch.no_grad(), torch.autocast(device.type, dtype, enabled=device.type == "cuda"):
+                for batch in make_loader(val_set, sampler, s.total_seq_len, hidden, dtype, 0):
+                    _, _, metrics = net(**{k: batch[k].to(device) for k in MODEL_INPUTS}, **call)
+                    accumulate(sums, metrics)
+        net.train()
+        return reduce_metrics(sums, world > 1)
+
+    progress = Progress("train", total_steps, "step", callback, done=step)
+    note = ""
+    sums: dict[str, torch.Tensor] = {}
+    tokens, t_window = 0, time.monotonic()
+    train_tokens_total, train_time_total = 0, 0.0
+    net.train()
+    while step < total_steps:
+        epoch, in_epoch = divmod(step, per_epoch)
+        sampler = StepBatches(train_set.lengths(), s.total_seq_len, world, rank, s.grad_accum_steps, s.seed, epoch,
+                              start_step=in_epoch)
+        batches = iter(make_loader(train_set, sampler, s.total_seq_len, hidden, dtype, s.loader_workers))
+        for _ in range(in_epoch, per_epoch):
+            if step >= total_steps:
+                break
+            for o in optimizers:
+                o.zero_grad(set_to_none=True)
+            for micro in range(s.grad_accum_steps):
+                batch = next(batches)
+                inputs = {k: batch[k].to(device, non_blocking=True) for k in MODEL_INPUTS}
+                sync = world == 1 or micro == s.grad_accum_steps - 1
+                # DDP all-reduces gradients only on the last micro-batch of a step
+                with net.no_sync() if not sync else nullcontext(), torch.autocast(
+                        device.type, dtype, enabled=device.type == "cuda"):
+                    _, loss, metrics = net(**inputs, **call)
+                    (loss / s.grad_accum_steps).backward()
+                accumulate(sums, metrics)
+                tokens += int((batch["document_ids"] != -1).sum())
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            for o in optimizers:
+                o.step()
+            for sc in schedulers:
+                sc.step()
+            step += 1
+            if step % s.log_every == 0 or step == total_steps:
+                now = time.monotonic()
+                train_tokens_total += tokens
+                train_time_total += now - t_window
+                metrics = reduce_metrics(sums, world > 1)
+                metrics.update(step=step, epoch=epoch, lr=schedulers[0].get_last_lr()[0],
+                               tokens_per_s=round(tokens * world / (now - t_window), 1))
+                metrics["simulated_acceptance_length"] = simulated_acceptance_length(metrics, s.ttt_steps)
+                sums, tokens, t_window = {}, 0, now
+                if rank == 0:
+                    append_metrics(out_dir, {"split": "train", **metrics})
+                note = (f"loss {metrics['loss']:.4f}, acc0 {metrics.get('full_acc_0', 0):.3f}, "
+                        f"{metrics['tokens_per_s']:,.0f} tok/s")
+            progress.update(1, note=note)
+            if step % s.eval_every == 0 or step == total_steps:
+                val = validate() if val_set else {}
+                acceptance = simulated_acceptance_length(val, s.ttt_steps) if val else 0.0
+                if acceptance > best["acceptance"]:
+                    best = {"step": step, "acceptance": acceptance, "metrics": val}
+                if rank == 0:
+                    append_metrics(out_dir, {"split": "val", "step": step, **val,
+                                             "simulated_acceptance_length": acceptance})
+                    log.info("validation at step %d: simulated acceptance length %.3f (best %.3f at step %d), "
+                             "loss %.4f", step, acceptance, best["acceptance"], best["step"], val.get("loss", float("nan")))
+                    save_checkpoint(out_dir, model, optimizers, schedulers, {"step": step, "best": best},
+                                    s.keep_checkpoints, best["step"])
+                if world > 1:
+                    dist.barrier()
+                t_window = time.monotonic()  # validation time is not training time
+    progress.close()
+    if world > 1:
+        dist.barrier()
+    if rank != 0:
+        return None
+    best_dir = out_dir / "checkpoints" / f"step-{best['step']:08d}"
+    draft = export_draft(model, best_dir, out_dir)
+    result = TrainResult(
+        draft_path=str(draft), fingerprint="", steps=step, best_step=best["step"],
+        simulated_acceptance_length=round(best["acceptance"], 4), val_metrics=best["metrics"],
+        train_tokens_per_s=round(train_tokens_total * world / train_time_total, 1) if train_time_total else None,
+        wall_s=round(time.monotonic() - t0, 2),
+    )
+    log.info("draft exported to %s: best step %d, simulated acceptance length %.3f (k=%d)", draft, best["step"],
+             best["acceptance"], s.ttt_steps)
+    return result
+
+
+def append_metrics(out_dir: Path, record: dict) -> None:
+    with (out_dir / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def trim_metrics_log(out_dir: Path, step: int) -> None:
+    """After a resume, drop the records the killed run wrote past its last checkpoint."""
+    path = out_dir / "metrics.jsonl"
+    if path.is_file():
+        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        path.write_text("".join(line + "\n" for line in kept))
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+
+def read_metrics(out_dir: str | Path) -> list[dict]:
+    path = Path(out_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+# ---------------------------------------------------------------- running it
+
+
+def run_training(job: TrainJob, manifest_fp: str, vocab_fp: str, *, in_process: bool = False,
+                 callback: ProgressCallback | None = None) -> TrainResult:
+    """The stage: one process, or `nproc` under torchrun, in a subprocess unless `in_process`.
+    Inputs are checked here first, so a mismatch fails before any process starts."""
+    s = job.train_settings
+    check_inputs(job, read_manifest(job.manifest))
+    out_dir = Path(job.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fingerprint = train_fingerprint(manifest_fp, vocab_fp, job.settings)
+    if in_process:
+        result = train_worker(job, callback)
+    else:
+        job_file, result_file = out_dir / "job.json", out_dir / "result.json"
+        job_file.write_text(json.dumps(asdict(job)))
+        result_file.unlink(missing_ok=True)
+        progress_file = out_dir / "progress.jsonl"
+        progress_file.unlink(missing_ok=True)
+        args = ["-m", "tasks.train", "--job", str(job_file), "--result", str(result_file),
+                "--progress-file", str(progress_file)]
+        cmd = [sys.executable, *args] if s.nproc == 1 else [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={s.nproc}", *args]
+        follow_subprocess(cmd, progress_file, callback)
+        result = TrainResult(**json.loads(result_file.read_text()))
+    return TrainResult(**{**asdict(result), "fingerprint": fingerprint})
+
+
+def follow_subprocess(cmd: list[str], progress_file: Path, callback: ProgressCallback | None) -> None:
+    proc = subprocess.Popen(cmd)
+    seen = 0
+    while proc.poll() is None:
+        time.sleep(2)
+        if callback is not None and progress_file.is_file():
+            lines = progress_file.read_text().splitlines()
+            for line in lines[seen:]:
+                try:
+                    callback(ProgressEvent(**json.loads(line)))
+                except (json.JSONDecodeError, TypeError):
+                    pass
+            seen = len(lines)
+    if proc.returncode != 0:
+        raise RuntimeError(f"training process exited with {proc.returncode}; the next attempt resumes from the "
+                           "last complete checkpoint")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """A training process: `python -m tasks.train --job JOB.json` (or under torchrun)."""
+    from tasks.extract import progress_file_callback
+
+    p = argparse.ArgumentParser(prog="python -m tasks.train", description=main.__doc__)
+    p.add_argument("--job", required=True)
+    p.add_argument("--result")
+    p.add_argument("--progress-file")
+    a = p.parse_args(argv)
+    rank = int(os.environ.get("RANK", 0))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s")
+    job = TrainJob(**json.loads(Path(a.job).read_text()))
+    callback = progress_file_callback(a.progress_file) if a.progress_file and rank == 0 else None
+    result = train_worker(job, callback)
+    if result is not None and a.result:
+        Path(a.result).write_text(json.dumps(asdict(result)))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,159 @@
+"""vocab and train on real SmolLM2 shards of real ShareGPT samples."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tasks.extract import ExtractJob, run_extraction
+from tasks.prepare import load_prepared, prepare
+from tasks.train import TrainJob, checkpoint_dirs, read_metrics, run_training, simulated_acceptance_length
+from tasks.train_data import TrainDataError
+from tasks.vocab import build_vocab, load_vocab, token_frequencies
+
+AUX = [2, 15, 27]
+FAST = {"total_seq_len": 384, "lr": 2e-3, "log_every": 1, "eval_every": 4, "val_fraction": 0.15, "seed": 3}
+
+
+@pytest.fixture(scope="module")
+def data(smollm2, sharegpt, tmp_path_factory):
+    root = tmp_path_factory.mktemp("train-data")
+    prepared = prepare(smollm2, [sharegpt], root, max_seq_len=128, max_rows=40)
+    extraction = run_extraction(ExtractJob(prepared.path, prepared.fingerprint, smollm2, str(root / "hs"),
+                                           settings={"batch_tokens": 2048, "shard_tokens": 2000}), in_process=True)
+    vocab = build_vocab(prepared.path, prepared.fingerprint, smollm2, root, draft_vocab_size=1024)
+    return prepared, extraction, vocab
+
+
+def job(data, smollm2, out: Path, **settings) -> TrainJob:
+    prepared, extraction, vocab = data
+    return TrainJob(extraction.manifest, prepared.path, vocab.path, smollm2, str(out), AUX,
+                    settings={**FAST, **settings})
+
+
+def train(data, smollm2, out, **settings):
+    _, extraction, vocab = data
+    return run_training(job(data, smollm2, out, **settings), extraction.fingerprint, vocab.fingerprint, in_process=True)
+
+
+def test_vocab_mapping_round_trips(data, smollm2):
+    prepared, _, vocab = data
+    d2t, t2d = load_vocab(vocab.path, 49152)
+    assert d2t.dtype == torch.int64 and t2d.dtype == torch.bool
+    assert d2t.numel() == int(t2d.sum()) == 1024
+    targets = torch.arange(1024) + d2t  # target id = draft index + d2t[index]
+    assert torch.equal(targets, torch.nonzero(t2d).flatten())
+    counts = token_frequencies(load_prepared(prepared.path), 49152)
+    most_frequent = np.argsort(-counts, kind="stable")[:200]
+    assert t2d[torch.from_numpy(most_frequent)].all()  # the frequent assistant tokens are in
+    assert vocab.coverage == pytest.approx(counts[t2d.numpy()].sum() / counts.sum(), abs=1e-6)
+
+
+def test_vocab_is_capped_at_the_verifier_vocabulary(data, smollm2, tmp_path):
+    prepared, _, _ = data
+    result = build_vocab(prepared.path, prepared.fingerprint, smollm2, tmp_path, draft_vocab_size=10**6)
+    assert result.draft_vocab_size == 49152 and result.coverage == 1.0
+
+
+def test_short_run_overfits_and_reloads_in_speculators(data, smollm2, tmp_path):
+    from speculators import SpeculatorModel
+
+    result = train(data, smollm2, tmp_path, epochs=12, eval_every=100, val_fraction=0.0)
+    train_log = [m for m in read_metrics(tmp_path) if m["split"] == "train"]
+    first, last = train_log[0], train_log[-1]
+    assert last["full_acc_0"] > first["full_acc_0"] + 0.25, (first["full_acc_0"], last["full_acc_0"])
+    assert last["loss"] < 0.7 * first["loss"]
+    draft = SpeculatorModel.from_pretrained(result.draft_path)
+    config = json.loads((Path(result.draft_path) / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3" and config["eagle_aux_hidden_state_layer_ids"] == AUX
+    assert config["draft_vocab_size"] == 1024 and "norm_before_residual" in config
+    assert draft.d2t.numel() == 1024 and next(draft.parameters()).dtype == torch.bfloat16
+
+
+def test_best_checkpoint_is_chosen_by_simulated_acceptance(data, smollm2, tmp_path):
+    result = train(data, smollm2, tmp_path, epochs=6)
+    val_log = [m for m in read_metrics(tmp_path) if m["split"] == "val"]
+    assert len(val_log) >= 3
+    best = max(val_log, key=lambda m: m["simulated_acceptance_length"])
+    assert result.best_step == best["step"]
+    assert result.simulated_acceptance_length == pytest.approx(best["simulated_acceptance_length"], abs=1e-4)
+    assert best["simulated_acceptance_length"] == pytest.approx(simulated_acceptance_length(best, 3))
+    assert (tmp_path / "checkpoints" / f"step-{result.best_step:08d}" / "COMPLETE").is_file()
+
+
+def test_simulated_acceptance_length_chains_conditional_accuracies():
+    assert simulated_acceptance_length({"cond_acc_0": 0.5, "cond_acc_1": 0.5, "cond_acc_2": 0.5}, 3) == 1.875
+    assert simulated_acceptance_length({"cond_acc_0": 1.0, "cond_acc_1": 1.0}, 2) == 3.0
+
+
+def test_kill_then_resume_reproduces_the_uninterrupted_trajectory(data, smollm2, tmp_path):
+    settings = {"epochs": 4}
+    reference = tmp_path / "reference"
+    train(data, smollm2, reference, **settings)
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    job_file = killed / "job.json"
+    job_file.write_text(json.dumps(asdict(job(data, smollm2, killed, **settings))))
+    proc = subprocess.Popen([sys.executable, "-m", "tasks.train", "--job", str(job_file)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not checkpoint_dirs(killed) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    resumed_from = checkpoint_dirs(killed)[-1].name
+    result = train(data, smollm2, killed, **settings)
+    got, want = read_metrics(killed), read_metrics(reference)
+    assert [m["step"] for m in got] == [m["step"] for m in want]
+    for a, b in zip(got, want, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (resumed_from, a["step"])
+    assert result.steps == want[-1]["step"]
+
+
+def test_two_process_ddp_matches_one_process_with_the_same_global_batch(data, smollm2, tmp_path):
+    _, extraction, vocab = data
+    settings = {"epochs": 2, "eval_every": 100}
+    single = train(data, smollm2, tmp_path / "one", grad_accum_steps=2, **settings)
+    ddp_job = job(data, smollm2, tmp_path / "two", nproc=2, **settings)
+    ddp = run_training(ddp_job, extraction.fingerprint, vocab.fingerprint)
+    a, b = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    assert [m["step"] for m in a] == [m["step"] for m in b] and len(a) >= 4
+    for x, y in zip(a, b, strict=True):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-3)
+    assert ddp.steps == single.steps
+    assert ddp.simulated_acceptance_length == pytest.approx(single.simulated_acceptance_length, abs=0.02)
+
+
+def test_mismatched_inputs_fail_before_training(data, smollm2, tmp_path):
+    prepared, extraction, vocab = data
+    other_verifier = tmp_path / "other"
+    shutil.copytree(smollm2, other_verifier)
+    config = json.loads((other_verifier / "config.json").read_text())
+    (other_verifier / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-6}))
+    bad = replace(job(data, smollm2, tmp_path / "a"), verifier_path=str(other_verifier))
+    with pytest.raises(TrainDataError, match="another verifier"):
+        run_training(bad, extraction.fingerprint, vocab.fingerprint)
+    with pytest.raises(TrainDataError, match="layers"):
+        run_training(replace(bad, verifier_path=smollm2, aux_layers=[3, 15, 27]), "x", "y")
+    small_vocab = tmp_path / "vocab"
+    small_vocab.mkdir()
+    np.save(small_vocab / "d2t.npy", np.zeros(4, np.int64))
+    np.save(small_vocab / "t2d.npy", np.eye(1, 32000, dtype=bool).repeat(4, 0).any(0) | (np.arange(32000) < 4))
+    with pytest.raises(ValueError, match="another verifier"):
+        run_training(replace(bad, verifier_path=smollm2, vocab_path=str(small_vocab)), "x", "y")
+    manifest = json.loads(Path(extraction.manifest).read_text())
+    empty = tmp_path / "empty-manifest.json"
+    empty.write_text(json.dumps({**manifest, "samples": 0, "shards": []}))
+    with pytest.raises(TrainDataError, match="no samples"):
+        run_training(replace(bad, verifier_path=smollm2, manifest=str(empty)), "x", "y")
+    assert not (tmp_path / "a").exists()
