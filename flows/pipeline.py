@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.stages import extract_task, prepare_task, train_task, vocab_task
+from flows.stages import extract_task, prepare_task, train_task, validate_task, vocab_task
 from tasks.config import PipelineConfig
 from tasks.demo_assets import resolve_config
 
@@ -20,4 +20,6 @@ def eagle3_pipeline(config: PipelineConfig) -> dict:
     extracted = extract_task(config, prepared)
     vocab = vocab_task(config, prepared)
     trained = train_task(config, prepared, extracted, vocab)
-    return {"prepared": prepared, "extracted": extracted, "vocab": vocab, "trained": trained}
+    validated = validate_task(config, trained, extracted)
+    return {"prepared": prepared, "extracted": extracted, "vocab": vocab, "trained": trained,
+            "validated": validated}

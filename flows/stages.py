@@ -22,7 +22,12 @@ from functools import cache
 from pathlib import Path
 
 from prefect import task
-from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
 from prefect.logging import get_run_logger
 from prefect.tasks import exponential_backoff
 
@@ -32,13 +37,17 @@ import tasks.hf_backend
 import tasks.prepare
 import tasks.shards
 import tasks.train
+import tasks.draft_check
 import tasks.train_data
+import tasks.validate
+import tasks.vllm_live
 import tasks.vocab
 from tasks.config import PipelineConfig
 from tasks.extract import ExtractJob, ExtractResult, run_extraction
 from tasks.prepare import PreparedData, prepare, prepare_fingerprint, read_report
 from tasks.progress import ProgressEvent
 from tasks.train import TrainJob, TrainResult, run_training
+from tasks.validate import ValidationResult, validate
 from tasks.verifier import inspect_verifier, verifier_fingerprint
 from tasks.vocab import VocabResult, build_vocab
 
@@ -176,4 +185,24 @@ def train_task(config: PipelineConfig, prepared: PreparedData, extracted: Extrac
                     f"{result.simulated_acceptance_length:.3f} (k={config.train.ttt_steps})",
     )
     get_run_logger().info("draft: %s", result.draft_path)
+    return result
+
+
+# ---------------------------------------------------------------------------------- validate
+
+
+def _validate_key(ctx, p) -> str:
+    c: PipelineConfig = p["config"]
+    return cache_key("validate", p["trained"].fingerprint, c.validation.model_dump(), c.output_dir,
+                     modules=(tasks.validate, tasks.draft_check, tasks.vllm_live))
+
+
+@task(name="validate", cache_key_fn=_validate_key, tags=["gpu"], **GPU_STAGE)
+def validate_task(config: PipelineConfig, trained: TrainResult, extracted: ExtractResult) -> ValidationResult:
+    out = stage_dir(config, "validation") / trained.fingerprint[:16]
+    result = validate(trained.draft_path, config.verifier.path, extracted.layers[:3], config.validation, out,
+                      simulated_acceptance_length=trained.simulated_acceptance_length)
+    create_markdown_artifact(markdown=Path(result.report_markdown).read_text(), key="draft-validation",
+                             description="static checks and vLLM-measured acceptance")
+    get_run_logger().info("validation report: %s", result.report_markdown)
     return result

@@ -120,6 +120,11 @@ class ValidationSettings(Section):
     )
     baseline_draft: str | None = Field(None, description="A deployed draft to compare against.")
     max_regression: float = Field(0.05, ge=0, description="Fail when acceptance drops more than this share.")
+    min_identical_outputs: float = Field(
+        0.75, ge=0, le=1,
+        description="Share of prompts whose greedy output must be identical with and without the draft "
+        "(speculative decoding is lossless; bf16 near-ties flip a few tokens).",
+    )
 
 
 class PipelineConfig(Section):
