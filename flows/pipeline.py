@@ -8,18 +8,23 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.stages import extract_task, prepare_task, train_task, validate_task, vocab_task
+from flows.stages import extract_task, prepare_task, result_storage, run_name, train_task, validate_task, vocab_task
 from tasks.config import PipelineConfig
 from tasks.demo_assets import resolve_config
 
 
-@flow(name="eagle3-draft")
+@flow(name="eagle3-draft", flow_run_name=run_name)
 def eagle3_pipeline(config: PipelineConfig) -> dict:
     config = resolve_config(config)  # demo://... paths become local assets (built once)
-    prepared = prepare_task(config)
-    extracted = extract_task(config, prepared)
-    vocab = vocab_task(config, prepared)
-    trained = train_task(config, prepared, extracted, vocab)
-    validated = validate_task(config, trained, extracted)
-    return {"prepared": prepared, "extracted": extracted, "vocab": vocab, "trained": trained,
+    storage = result_storage(config)  # the task cache, next to the outputs by default
+    prepare, extract, vocab, train, validate = (
+        t.with_options(result_storage=storage)
+        for t in (prepare_task, extract_task, vocab_task, train_task, validate_task)
+    )
+    prepared = prepare(config)
+    extracted = extract(config, prepared)
+    vocabulary = vocab(config, prepared)
+    trained = train(config, prepared, extracted, vocabulary)
+    validated = validate(config, trained, extracted)
+    return {"prepared": prepared, "extracted": extracted, "vocab": vocabulary, "trained": trained,
             "validated": validated}

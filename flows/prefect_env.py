@@ -16,4 +16,5 @@ def use_private_prefect_home(output_dir: str | Path) -> Path:
     home = Path(os.environ.setdefault("PREFECT_HOME", str(Path(output_dir).resolve() / ".prefect")))
     os.environ.setdefault("PREFECT_RESULTS_LOCAL_STORAGE_PATH", str(home / "storage"))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "tasks")  # stage logs reach the Prefect UI
     return home

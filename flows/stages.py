@@ -80,6 +80,31 @@ class ProgressArtifact:
         self.logger.info(event.describe())
 
 
+def result_storage(config: PipelineConfig):
+    """Where task results (the cache) go: the configured block, or a local one under the outputs.
+
+    Keeping the cache next to the outputs it describes means deleting an output folder also
+    forgets its cached results, whichever way the flow was started (CLI, deployment, schedule)."""
+    if config.result_storage:
+        return config.result_storage
+    from prefect.filesystems import LocalFileSystem
+
+    path = (Path(config.output_dir) / ".prefect" / "results").resolve()
+    block = LocalFileSystem(basepath=str(path))
+    block.save(f"eagle3-results-{hashlib.sha256(str(path).encode()).hexdigest()[:12]}", overwrite=True)
+    return block
+
+
+def run_name() -> str:
+    """Flow run names say which verifier and data: 'smollm2-135m-instruct on sharegpt_v3.json (demo)'."""
+    from prefect.runtime import flow_run
+
+    config = flow_run.parameters["config"]
+    config = config if isinstance(config, PipelineConfig) else PipelineConfig.model_validate(config)
+    data = ", ".join(Path(s.removeprefix("demo://")).name for s in config.data.sources)
+    return f"{Path(config.verifier.path.removeprefix('demo://')).name} on {data} ({config.name})"
+
+
 def table(rows: dict) -> list[dict]:
     return [{"item": k, "value": json.dumps(v) if isinstance(v, dict | list) else v} for k, v in rows.items()]
 

@@ -130,6 +130,11 @@ class ValidationSettings(Section):
 class PipelineConfig(Section):
     name: str = Field("eagle3", pattern=r"^[A-Za-z0-9_.-]+$")
     output_dir: str = Field("runs/eagle3", description="Every stage writes under this folder.")
+    result_storage: str | None = Field(
+        None,
+        description="Prefect block slug for the task cache (e.g. 's3-bucket/eagle3-cache'); by default a "
+        "local-file-system block at <output_dir>/.prefect/results, so the cache lives and dies with the outputs.",
+    )
     verifier: VerifierSettings
     data: DataSettings
     extract: ExtractSettings = ExtractSettings()
