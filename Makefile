@@ -23,4 +23,6 @@ demo: install
 	$(BIN)/eagle3-pipeline run deployments/demo.yaml
 
 test: install
+	# the Prefect UI test screenshots the flow run page in Debian's headless Chromium
+	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium)
 	$(BIN)/pytest

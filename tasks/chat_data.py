@@ -39,31 +39,30 @@ class Row:
     data: dict | Dropped
 
 
-def source_files(sources: list[str]) -> list[Path]:
-    """Files and `datasets` folders, in a stable order: as listed, folders expanded sorted."""
-    out: list[Path] = []
-    for src in sources:
-        path = Path(src)
-        if not path.exists():
-            raise FileNotFoundError(f"data source not found: {src}")
-        if path.is_dir() and not (path / "dataset_info.json").is_file() and not (path / "state.json").is_file():
-            files = sorted(p for p in path.rglob("*") if p.suffix in DATA_SUFFIXES and p.is_file())
-            if not files:
-                raise FileNotFoundError(f"data folder {src} holds no .json/.jsonl files and is no `datasets` folder")
-            out.extend(files)
-        else:
-            out.append(path)
-    return out
+def source_files(source: str) -> list[Path]:
+    """The files of one configured source, in a stable order (a folder's files sorted by path);
+    a `datasets` folder is one source file."""
+    path = Path(source)
+    if not path.exists():
+        raise FileNotFoundError(f"data source not found: {source}")
+    if path.is_dir() and not (path / "dataset_info.json").is_file() and not (path / "state.json").is_file():
+        # A drop folder may be empty until data arrives; with no data anywhere, prepare says so.
+        return sorted(p for p in path.rglob("*") if p.suffix in DATA_SUFFIXES and p.is_file())
+    return [path]
 
 
 def read_rows(sources: list[str], max_rows: int | None = None) -> Iterator[Row]:
-    n = 0
-    for path in source_files(sources):
-        for row in _read_source(path):
-            yield row
-            n += 1
+    """Rows of every source in order; at most `max_rows` from each configured source."""
+    for source in sources:
+        n = 0
+        for path in source_files(source):
+            for row in _read_source(path):
+                yield row
+                n += 1
+                if max_rows is not None and n >= max_rows:
+                    break
             if max_rows is not None and n >= max_rows:
-                return
+                break
 
 
 def _read_source(path: Path) -> Iterator[Row]:

@@ -41,7 +41,7 @@ class DataSettings(Section):
         min_length=1,
         description="Chat data: ShareGPT or OpenAI-style JSON/JSONL files, folders of them, or `datasets` folders.",
     )
-    max_rows: int | None = Field(None, gt=0, description="Read at most this many rows (in source order).")
+    max_rows: int | None = Field(None, gt=0, description="Read at most this many rows from each source.")
     max_seq_len: int = Field(2048, gt=1, description="Tokenized conversations are truncated to this length.")
     regenerate: RegenerateSettings = RegenerateSettings()
 

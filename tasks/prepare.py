@@ -140,7 +140,7 @@ def assistant_spans(tokenizer, messages: list[dict], text: str) -> list[tuple[in
 
 def sources_fingerprint(sources: list[str]) -> str:
     h = hashlib.sha256()
-    for path in source_files(sources):
+    for path in (f for source in sources for f in source_files(source)):
         files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
         for f in files:
             h.update(str(f.name).encode() + b"\0")

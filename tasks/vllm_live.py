@@ -89,20 +89,11 @@ def serve_once(verifier: str, draft: str | None, prompts: list[list[int]], k: in
     return result
 
 
-def cpu_environment() -> dict[str, str]:
-    """vLLM on CPU: a fixed KV space, and Intel OpenMP preloaded (vLLM warns that speculative
-    decoding is much slower without it)."""
-    env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
-    iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
-    if iomp.is_file() and "LD_PRELOAD" not in os.environ:
-        env["LD_PRELOAD"] = str(iomp)
-    return env
-
-
 def run_engine(verifier: str, draft: str | None, prompts_file: Path, k: int, max_new_tokens: int, out: Path) -> dict:
-    import torch
-
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", **({} if torch.cuda.is_available() else cpu_environment())}
+    # On CPU, vLLM sizes its KV cache from this (GiB) rather than from gpu_memory_utilization. Preloading
+    # Intel OpenMP, which vLLM suggests for speculative decoding on CPU, gained little here and leaves
+    # /dev/shm files behind after each engine exit.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
     cmd = [sys.executable, "-m", "tasks.vllm_live", "--verifier", verifier, "--prompts", str(prompts_file),
            "--k", str(k), "--max-new-tokens", str(max_new_tokens), "--out", str(out)]
     if draft:
