@@ -35,6 +35,7 @@ import tasks.chat_data
 import tasks.extract
 import tasks.hf_backend
 import tasks.prepare
+import tasks.regenerate
 import tasks.shards
 import tasks.train
 import tasks.draft_check
@@ -46,6 +47,7 @@ from tasks.config import PipelineConfig
 from tasks.extract import ExtractJob, ExtractResult, run_extraction
 from tasks.prepare import PreparedData, prepare, prepare_fingerprint, read_report
 from tasks.progress import ProgressEvent
+from tasks.regenerate import regenerated_sources
 from tasks.train import TrainJob, TrainResult, run_training
 from tasks.validate import ValidationResult, validate
 from tasks.verifier import inspect_verifier, verifier_fingerprint
@@ -69,15 +71,19 @@ def stage_dir(config: PipelineConfig, stage: str) -> Path:
 
 
 class ProgressArtifact:
-    """A Prefect progress artifact updated in place from progress events (a few per minute)."""
+    """A Prefect progress artifact updated in place from progress events, and a line in the run's
+    log once a minute (the stage's subprocess already prints every event to the console)."""
 
-    def __init__(self, description: str):
+    def __init__(self, description: str, log_every_s: float = 60.0):
         self.id = create_progress_artifact(progress=0.0, description=description)
         self.logger = get_run_logger()
+        self.log_every_s, self.last_log = log_every_s, -float("inf")
 
     def __call__(self, event: ProgressEvent) -> None:
         update_progress_artifact(self.id, 100 * event.fraction, description=event.describe())
-        self.logger.info(event.describe())
+        if event.elapsed_s - self.last_log >= self.log_every_s or event.fraction >= 1:
+            self.last_log = event.elapsed_s
+            self.logger.info(event.describe())
 
 
 def result_storage(config: PipelineConfig):
@@ -114,14 +120,17 @@ def table(rows: dict) -> list[dict]:
 
 def _prepare_key(ctx, p) -> str:
     c: PipelineConfig = p["config"]
-    fp = prepare_fingerprint(c.verifier.path, c.data.sources, c.data.max_rows, c.data.max_seq_len)
-    return cache_key("prepare", fp, c.output_dir, modules=(tasks.prepare, tasks.chat_data))
+    regenerate = ({**c.data.regenerate.model_dump(), "verifier": verifier_fingerprint(c.verifier.path)}
+                  if c.data.regenerate.enabled else None)
+    fp = prepare_fingerprint(c.verifier.path, c.data.sources, c.data.max_rows, c.data.max_seq_len, regenerate)
+    return cache_key("prepare", fp, c.output_dir, modules=(tasks.prepare, tasks.chat_data, tasks.regenerate))
 
 
 @task(name="prepare", cache_key_fn=_prepare_key, retries=1, retry_delay_seconds=5)
 def prepare_task(config: PipelineConfig) -> PreparedData:
-    result = prepare(config.verifier.path, config.data.sources, config.output_dir,
-                     max_seq_len=config.data.max_seq_len, max_rows=config.data.max_rows)
+    sources, max_rows = regenerated_sources(config)  # the verifier's own answers, when enabled
+    result = prepare(config.verifier.path, sources, config.output_dir, max_seq_len=config.data.max_seq_len,
+                     max_rows=max_rows)
     report = read_report(result.path)
     create_table_artifact(
         table=table({k: v for k, v in report.items() if k != "dropped_examples"}), key="prepare-report",

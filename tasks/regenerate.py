@@ -1,0 +1,273 @@
+"""Answer regeneration: the verifier rewrites every assistant turn (on-policy data makes better
+drafts: the draft learns what the verifier says, not what another model said).
+
+Turn by turn: assistant turn j of every conversation in a chunk is generated from the
+regenerated conversation so far, all conversations batched together. Once a conversation's
+prompt passes `max_seq_len`, its remaining turns are cut (prepare would truncate them anyway).
+Conversations are processed in chunks and appended to `conversations.jsonl` as each chunk
+finishes, so a crash costs at most one chunk; a rerun skips the conversations already written.
+Failures (a prompt that no longer fits, an empty answer) are counted by reason and the
+conversation left out. vLLM generates where it imports (in a subprocess); transformers
+`generate` everywhere else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tasks.chat_data import Dropped, normalize, read_rows
+from tasks.progress import Progress
+
+log = logging.getLogger(__name__)
+
+REGENERATE_FORMAT = "regenerate-v1"
+
+
+@dataclass(frozen=True)
+class RegenerateJob:
+    sources: list[str]
+    max_rows: int | None
+    verifier_path: str
+    out_dir: str
+    max_seq_len: int
+    settings: dict = field(default_factory=dict)  # RegenerateSettings fields
+    trust_remote_code: bool = False
+
+    @property
+    def regenerate_settings(self):
+        from tasks.config import RegenerateSettings
+
+        return RegenerateSettings.model_validate(self.settings)
+
+
+@dataclass
+class RegenerateReport:
+    backend: str = ""
+    conversations: int = 0
+    regenerated: int = 0
+    failed: dict[str, int] = field(default_factory=dict)
+    assistant_turns: int = 0
+    generated_tokens: int = 0
+    generate_s: float = 0.0
+
+
+def regenerate_fingerprint(job: RegenerateJob, sources_fp: str, verifier_fp: str) -> str:
+    s = {k: v for k, v in job.settings.items() if k not in ("enabled", "batch_size", "backend")}
+    parts = {"format": REGENERATE_FORMAT, "sources": sources_fp, "verifier": verifier_fp, "max_rows": job.max_rows,
+             "max_seq_len": job.max_seq_len, "settings": s}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+class TransformersGenerator:
+    name = "transformers"
+
+    def __init__(self, verifier_path: str, tokenizer, settings, trust_remote_code: bool):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch, self.tokenizer, self.settings = torch, tokenizer, settings
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.model = AutoModelForCausalLM.from_pretrained(
+            verifier_path, dtype=torch.bfloat16, device_map="auto" if device == "cuda" else "cpu",
+            trust_remote_code=trust_remote_code).eval()
+
+    def __call__(self, prompts: list[list[int]]) -> list[list[int]]:
+        torch, tok = self.torch, self.tokenizer
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        width = max(map(len, prompts))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding for generation
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        device = self.model.get_input_embeddings().weight.device
+        sampling = {"do_sample": True, "temperature": self.settings.temperature} if self.settings.temperature else {
+            "do_sample": False}
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), pad_token_id=pad,
+                                      max_new_tokens=self.settings.max_new_tokens, **sampling)
+        return [[t for t in row if t != pad] for row in out[:, width:].tolist()]
+
+
+class VllmGenerator:
+    name = "vllm"
+
+    def __init__(self, verifier_path: str, settings, max_model_len: int, trust_remote_code: bool):
+        import torch
+        from vllm import LLM, SamplingParams
+
+        on_cpu = not torch.cuda.is_available()
+        if on_cpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        self.llm = LLM(model=verifier_path, dtype="bfloat16", seed=0, enforce_eager=on_cpu,
+                       max_model_len=max_model_len, trust_remote_code=trust_remote_code)
+        self.sampling = SamplingParams(temperature=settings.temperature, max_tokens=settings.max_new_tokens, seed=0)
+
+    def __call__(self, prompts: list[list[int]]) -> list[list[int]]:
+        from vllm import TokensPrompt
+
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], self.sampling, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def regenerate_chunk(conversations: list[tuple[str, list[dict]]], generate, tokenizer, max_seq_len: int,
+                     report: RegenerateReport) -> tuple[list[tuple[str, list[dict]]], dict[str, str]]:
+    """The conversations with their assistant turns rewritten, turn by turn across the chunk, and
+    {row id: reason} of those that failed."""
+    done: dict[str, list[dict]] = {row_id: [] for row_id, _ in conversations}
+    pending = {row_id: list(messages) for row_id, messages in conversations}
+    failed: dict[str, str] = {}
+    while pending:
+        batch, prompts = [], []
+        for row_id, rest in list(pending.items()):
+            # copy the turns before the next assistant turn; the assistant turn itself is regenerated
+            while rest and rest[0]["role"] != "assistant":
+                done[row_id].append(rest.pop(0))
+            if not rest:
+                del pending[row_id]
+                continue
+            prompt = tokenizer.apply_chat_template(done[row_id], add_generation_prompt=True, tokenize=True)["input_ids"]
+            if len(prompt) >= max_seq_len:  # nothing after this point survives prepare's truncation
+                del pending[row_id]
+                if not any(m["role"] == "assistant" for m in done[row_id]):
+                    failed[row_id] = "prompt_too_long"
+                continue
+            batch.append(row_id)
+            prompts.append(prompt)
+        if not batch:
+            break
+        t0 = time.monotonic()
+        outputs = generate(prompts)
+        report.generate_s += time.monotonic() - t0
+        for row_id, tokens in zip(batch, outputs, strict=True):
+            text = tokenizer.decode(tokens, skip_special_tokens=True).strip()
+            pending[row_id].pop(0)
+            report.generated_tokens += len(tokens)
+            if not text:
+                failed[row_id] = "empty_generation"
+                del pending[row_id]
+                continue
+            done[row_id].append({"role": "assistant", "content": text})
+            report.assistant_turns += 1
+    for reason in failed.values():
+        report.failed[reason] = report.failed.get(reason, 0) + 1
+    finished = [(row_id, messages) for row_id, messages in done.items()
+                if row_id not in failed and any(m["role"] == "assistant" for m in messages)]
+    return finished, failed
+
+
+def append_lines(path: Path, records: list[dict]) -> None:
+    with path.open("a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def run_regeneration(job: RegenerateJob) -> Path:
+    """Regenerate in this process; returns the conversations file (resumable, see the module doc)."""
+    from transformers import AutoTokenizer
+
+    from tasks.vllm_backend import vllm_available
+
+    s = job.regenerate_settings
+    out_dir = Path(job.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    output, failures = out_dir / "conversations.jsonl", out_dir / "failed.jsonl"
+    written = {json.loads(line)["id"] for line in _complete_lines(output)}
+    failed_before = [json.loads(line) for line in _complete_lines(failures)]
+    tokenizer = AutoTokenizer.from_pretrained(job.verifier_path)
+    rows = []
+    report = RegenerateReport()
+    for row in read_rows(job.sources, job.max_rows):
+        messages = row.data if isinstance(row.data, Dropped) else normalize(row.data)
+        if isinstance(messages, Dropped):
+            report.failed[f"input_{messages.reason}"] = report.failed.get(f"input_{messages.reason}", 0) + 1
+            continue
+        report.conversations += 1
+        if row.row_id not in written and row.row_id not in {f["id"] for f in failed_before}:
+            rows.append((row.row_id, messages))
+    report.regenerated = len(written)
+    for f in failed_before:
+        report.failed[f["reason"]] = report.failed.get(f["reason"], 0) + 1
+    if rows:
+        use_vllm = s.backend == "vllm" or (s.backend == "auto" and vllm_available())
+        generate = (VllmGenerator(job.verifier_path, s, job.max_seq_len + s.max_new_tokens, job.trust_remote_code)
+                    if use_vllm else TransformersGenerator(job.verifier_path, tokenizer, s, job.trust_remote_code))
+        report.backend = generate.name
+        progress = Progress("regenerate", len(rows), "conversation")
+        for start in range(0, len(rows), s.batch_size):
+            chunk = rows[start: start + s.batch_size]
+            finished, failed = regenerate_chunk(chunk, generate, tokenizer, job.max_seq_len, report)
+            append_lines(output, [{"id": row_id, "messages": m} for row_id, m in finished])
+            append_lines(failures, [{"id": row_id, "reason": reason} for row_id, reason in failed.items()])
+            report.regenerated += len(finished)
+            progress.update(len(chunk), note=f"{report.generated_tokens / max(report.generate_s, 1e-9):,.0f} "
+                                             "generated tok/s")
+        progress.close()
+    (out_dir / "report.json").write_text(json.dumps(asdict(report), indent=1))
+    log.info("regenerated %d of %d conversations with %s (%d assistant turns, %d tokens); failed %s",
+             report.regenerated, report.conversations, report.backend or "nothing new", report.assistant_turns,
+             report.generated_tokens, report.failed or "none")
+    return output
+
+
+def _complete_lines(path: Path) -> list[str]:
+    """Lines of a JSONL file without a torn last line (a crash mid-write)."""
+    if not path.is_file():
+        return []
+    lines = path.read_text().split("\n")
+    complete = [line for line in lines[:-1] if line]
+    if lines[-1]:  # no trailing newline: the last write was cut off
+        with path.open("r+") as f:
+            f.truncate(sum(len(line) + 1 for line in lines[:-1]))
+    return complete
+
+
+def regenerate(job: RegenerateJob, *, in_process: bool = False) -> Path:
+    """Regenerate in a subprocess (vLLM's engine, memory and any crash stay there) unless `in_process`."""
+    if in_process:
+        return run_regeneration(job)
+    out_dir = Path(job.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    job_file = out_dir / "job.json"
+    job_file.write_text(json.dumps(asdict(job)))
+    proc = subprocess.run([sys.executable, "-m", "tasks.regenerate", "--job", str(job_file)])
+    if proc.returncode != 0:
+        raise RuntimeError(f"answer regeneration failed (exit {proc.returncode}); a rerun resumes after the "
+                           "conversations already written")
+    return out_dir / "conversations.jsonl"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tasks.regenerate --job JOB.json`"""
+    p = argparse.ArgumentParser(prog="python -m tasks.regenerate", description=main.__doc__)
+    p.add_argument("--job", required=True)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run_regeneration(RegenerateJob(**json.loads(Path(a.job).read_text())))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
+
+def regenerated_sources(config) -> tuple[list[str], int | None]:
+    """The chat data prepare reads: the configured sources, or their regenerated version."""
+    from tasks.prepare import sources_fingerprint
+    from tasks.verifier import verifier_fingerprint
+
+    data = config.data
+    if not data.regenerate.enabled:
+        return data.sources, data.max_rows
+    job = RegenerateJob(data.sources, data.max_rows, config.verifier.path, "", data.max_seq_len,
+                        data.regenerate.model_dump(), config.verifier.trust_remote_code)
+    fp = regenerate_fingerprint(job, sources_fingerprint(data.sources), verifier_fingerprint(config.verifier.path))
+    out_dir = Path(config.output_dir) / "regenerated" / fp[:16]
+    return [str(regenerate(RegenerateJob(**{**asdict(job), "out_dir": str(out_dir)})))], None
