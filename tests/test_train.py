@@ -127,11 +127,13 @@ def test_two_process_ddp_matches_one_process_with_the_same_global_batch(data, sm
     ddp_job = job(data, smollm2, tmp_path / "two", nproc=2, **settings)
     ddp = run_training(ddp_job, extraction.fingerprint, vocab.fingerprint)
     a, b = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
-    assert [m["step"] for m in a] == [m["step"] for m in b] and len(a) >= 4
+    assert [(m["split"], m["step"]) for m in a] == [(m["split"], m["step"]) for m in b] and len(a) >= 4
     for x, y in zip(a, b, strict=True):
-        assert x["loss"] == pytest.approx(y["loss"], rel=1e-3)
+        if x["split"] == "train":  # the same global batches: the same losses, step by step
+            assert x["loss"] == pytest.approx(y["loss"], rel=1e-3), x["step"]
+        else:  # validation is split over the ranks: token-counted accuracies agree, batch-mean losses need not
+            assert x["simulated_acceptance_length"] == pytest.approx(y["simulated_acceptance_length"], abs=1e-3)
     assert ddp.steps == single.steps
-    assert ddp.simulated_acceptance_length == pytest.approx(single.simulated_acceptance_length, abs=0.02)
 
 
 def test_mismatched_inputs_fail_before_training(data, smollm2, tmp_path):

@@ -1,0 +1,59 @@
+"""Serve the draft that bench/acceptance.py trained on a GPU in vLLM here, and record vLLM's measured
+acceptance next to the simulated one.
+
+    python bench/validate_returned_draft.py RETURNED_DIR [--prompts 80 --max-new-tokens 256]
+
+RETURNED_DIR holds `draft_config.json`, `draft.safetensors.part*` and `acceptance.json`. The draft
+is reassembled (its verifier path pointed at the local SmolLM2 demo asset: the same model), checked
+statically, and served greedily on MT-Bench first turns with k=3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tasks.config import ValidationSettings  # noqa: E402
+from tasks.demo_assets import ensure_asset  # noqa: E402
+from tasks.validate import validate  # noqa: E402
+
+
+def reassemble(returned: Path, draft: Path, verifier: Path) -> Path:
+    draft.mkdir(parents=True, exist_ok=True)
+    parts = sorted(returned.glob("draft.safetensors.part*"), key=lambda p: int(p.name.rsplit("part", 1)[1]))
+    (draft / "model.safetensors").write_bytes(b"".join(p.read_bytes() for p in parts))
+    config = json.loads((returned / "draft_config.json").read_text())
+    config["speculators_config"]["verifier"]["name_or_path"] = str(verifier)
+    (draft / "config.json").write_text(json.dumps(config, indent=1))
+    return draft
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("returned")
+    p.add_argument("--prompts", type=int, default=80)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    a = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    returned = Path(a.returned)
+    verifier = ensure_asset("smollm2-135m-instruct")
+    draft = reassemble(returned, returned.parent / "returned-draft", verifier)
+    trained = json.loads((returned / "acceptance.json").read_text())
+    settings = ValidationSettings(prompts=str(ensure_asset("mt-bench")), max_prompts=a.prompts,
+                                  max_new_tokens=a.max_new_tokens)
+    result = validate(str(draft), str(verifier), json.loads((draft / "config.json").read_text())[
+        "eagle_aux_hidden_state_layer_ids"], settings, returned.parent / "returned-validation",
+        simulated_acceptance_length=trained["ours"]["simulated_acceptance_length"])
+    print(json.dumps({"vllm_mean_acceptance_length": result.mean_acceptance_length,
+                      "vllm_per_position_acceptance": result.per_position_acceptance,
+                      "simulated_acceptance_length_mtbench": trained["ours"]["simulated_acceptance_length"],
+                      "identical_outputs": result.identical_outputs, "report": result.report_markdown}))
+
+
+if __name__ == "__main__":
+    main()
