@@ -28,11 +28,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.train_speed import run_speculators  # noqa: E402
+from bench.train_speed import in_fresh_process  # noqa: E402
 from tasks.extract import ExtractJob, run_extraction  # noqa: E402
 from tasks.prepare import prepare  # noqa: E402
 from tasks.shards import ShardReader  # noqa: E402
-from tasks.train import TrainJob, evaluate_draft, simulated_acceptance_length, train_worker  # noqa: E402
+from tasks.train import TrainJob, evaluate_draft, run_training, simulated_acceptance_length  # noqa: E402
 from tasks.vocab import build_vocab  # noqa: E402
 
 AUX = [2, 15, 27]
@@ -100,7 +100,8 @@ def split_for_return(draft: Path, out: Path, part_bytes: int = 15 << 20) -> list
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--verifier", required=True)
+    p.add_argument("--verifier", required=True, help="SmolLM2 Hugging Face folder (built from --gguf if missing)")
+    p.add_argument("--gguf", help="SmolLM2's GGUF file, converted into --verifier first")
     p.add_argument("--data", required=True)
     p.add_argument("--mtbench", required=True)
     p.add_argument("--out", required=True, help="small results to bring back")
@@ -119,6 +120,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     timings = {}
+    if a.gguf and not Path(a.verifier, "config.json").is_file():
+        from tasks.demo_assets import convert_gguf
+
+        Path(a.verifier).mkdir(parents=True, exist_ok=True)
+        convert_gguf(Path(a.gguf), Path(a.verifier))
 
     prepared = prepare(a.verifier, [a.data], work, max_seq_len=a.max_seq_len, max_rows=a.rows)
     settings = {"batch_tokens": 65536, "shard_tokens": 1 << 21, "reserve_disk_gb": 2}
@@ -136,17 +142,21 @@ def main() -> None:
     train_settings = {"max_steps": a.steps, "epochs": 1000, "optimizer": "adamw", "lr": a.lr, "weight_decay": 0.0,
                       "total_seq_len": a.total_seq_len, "log_every": 20, "eval_every": max(a.steps // 4, 1),
                       "val_fraction": 0.02, "loader_workers": a.workers, "seed": 0}
-    ours = train_worker(TrainJob(extracted.manifest, prepared.path, vocab.path, a.verifier, str(work / "ours"), AUX,
-                                 settings=train_settings))
+    ours = run_training(TrainJob(extracted.manifest, prepared.path, vocab.path, a.verifier, str(work / "ours"), AUX,
+                                 settings=train_settings), extracted.fingerprint, vocab.fingerprint)
     timings["ours_train_s"] = round(time.perf_counter() - t, 1)
 
     t = time.perf_counter()
     speculators_data = to_speculators_layout(Path(extracted.manifest), prepared.path, work / "speculators-data")
-    args = argparse.Namespace(total_seq_len=a.total_seq_len, steps=a.steps, workers=a.workers, warmup_steps=10)
-    theirs = run_speculators(Path(a.verifier), speculators_data, vocab, AUX, work / "speculators", args,
-                             lr=a.lr, train_data_ratio=0.98)
+    (work / "bench.json").write_text(json.dumps({  # what bench/train_speed.py's trainer process reads
+        "verifier": a.verifier, "prepared": prepared.path, "manifest": extracted.manifest,
+        "theirs": str(speculators_data), "aux": AUX,
+        "vocab": {"path": vocab.path, "draft_vocab_size": vocab.draft_vocab_size}}))
+    theirs = in_fresh_process("speculators", [
+        "--out", str(work), "--total-seq-len", str(a.total_seq_len), "--steps", str(a.steps),
+        "--workers", str(a.workers), "--lr", str(a.lr)])
     timings["speculators_train_s"] = round(time.perf_counter() - t, 1)
-    their_draft = max((p for p in (work / "speculators").iterdir() if p.is_dir() and p.name.isdigit()),
+    their_draft = max((p for p in (work / "speculators-out").iterdir() if p.is_dir() and p.name.isdigit()),
                       key=lambda p: int(p.name))
 
     scores = {}

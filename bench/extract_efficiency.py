@@ -85,7 +85,8 @@ def main() -> None:
     p.add_argument("--shard-tokens", type=int, default=65536)
     p.add_argument("--out", default=None, help="where shards go (default: a temporary folder on this disk)")
     a = p.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("tasks.extract").setLevel(logging.INFO)  # the writer's disk statistics
     device = "cuda" if torch.cuda.is_available() else "cpu"
     work = Path(a.out or tempfile.mkdtemp(prefix="extract-bench-"))
     work.mkdir(parents=True, exist_ok=True)

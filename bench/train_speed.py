@@ -10,8 +10,10 @@ samples. Both train speculators' Eagle3DraftModel: 1 layer, full attention, draf
 (the same d2t/t2d), TTT 3, kl_div with the eager loss (the fused one crashes under torch 2.11's
 dynamo), AdamW, packed batches of --total-seq-len tokens, --workers loader processes.
 
-Prints one JSON line: train_speed_vs_speculators (ours tokens/s over theirs; goal >= 1.0, each the
-median over steady-state steps) and train_peak_mem_gb of each.
+Each trainer runs in a fresh process (torch.compile's caches and recompilation budget are per
+process; a second trainer in the same process would inherit the first one's). Prints one JSON line:
+train_speed_vs_speculators (ours tokens/s over theirs; goal >= 1.0, each the median over
+steady-state steps) and train_peak_mem_gb of each.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import argparse
 import json
 import logging
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -110,8 +113,7 @@ def steady(values: list[float], skip: int) -> float:
     return statistics.median(values[skip:] if len(values) > skip else values)
 
 
-def run_speculators(verifier: Path, data: Path, vocab, aux: list[int], out: Path, a, lr: float = 1e-4,
-                    train_data_ratio: float = 0.98) -> dict:
+def run_speculators(verifier: Path, data: Path, vocab, aux: list[int], out: Path, a) -> dict:
     from speculators.train.cli import main as speculators_train
     from speculators.train.config import TrainConfig
 
@@ -131,8 +133,8 @@ def run_speculators(verifier: Path, data: Path, vocab, aux: list[int], out: Path
             "--draft-vocab-size", str(vocab.draft_vocab_size), "--target-layer-ids", *map(str, aux), "--full-attention-indices", "0",
             "--no-norm-before-fc", "--no-norm-output", "--mask-token-id", "0",
             "--total-seq-len", str(a.total_seq_len), "--epochs", "1", "--max-steps", str(a.steps),
-            "--optimizer", "adamw", "--lr", str(lr), "--weight-decay", "0.0", "--loss-implementation", "eager",
-            "--num-workers", str(a.workers), "--log-freq", "1", "--train-data-ratio", str(train_data_ratio),
+            "--optimizer", "adamw", "--lr", str(a.lr), "--weight-decay", "0.0", "--loss-implementation", "eager",
+            "--num-workers", str(a.workers), "--log-freq", "1", "--train-data-ratio", "0.98",
             "--on-missing", "raise", "--seed", "0"]
     if not torch.cuda.is_available():  # a harness check on CPU (the Trainer itself needs a GPU to run)
         argv += ["--draft-attn-impl", "sdpa", "--hidden-states-dtype", "float32"]
@@ -146,11 +148,15 @@ def run_speculators(verifier: Path, data: Path, vocab, aux: list[int], out: Path
     wall = time.perf_counter() - t0
     rates = [r["tokens_per_s"] for r in records]
     return {"tokens_per_s": steady(rates, a.warmup_steps), "steps": len(rates), "wall_s": round(wall, 1),
-            "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None}
+            "peak_mem_gb": peak_gb()}
+
+
+def peak_gb() -> float | None:
+    return round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None
 
 
 def run_ours(verifier: Path, prepared: Path, manifest: Path, vocab, aux: list[int], out: Path, a) -> dict:
-    settings = {"max_steps": a.steps, "epochs": 1000, "optimizer": "adamw", "lr": 1e-4, "weight_decay": 0.0,
+    settings = {"max_steps": a.steps, "epochs": 1000, "optimizer": "adamw", "lr": a.lr, "weight_decay": 0.0,
                 "total_seq_len": a.total_seq_len, "log_every": a.log_every, "eval_every": 10**9,
                 "val_fraction": 0.0, "loader_workers": a.workers, "seed": 0}
     if torch.cuda.is_available():
@@ -160,8 +166,16 @@ def run_ours(verifier: Path, prepared: Path, manifest: Path, vocab, aux: list[in
     wall = time.perf_counter() - t0
     rates = [m["tokens_per_s"] for m in read_metrics(out) if m["split"] == "train"]
     return {"tokens_per_s": steady(rates, max(1, a.warmup_steps // a.log_every)), "windows": len(rates),
-            "wall_s": round(wall, 1),
-            "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None}
+            "wall_s": round(wall, 1), "peak_mem_gb": peak_gb()}
+
+
+def in_fresh_process(trainer: str, argv: list[str]) -> dict:
+    """One trainer in its own Python process; its result is the last line it prints."""
+    cmd = [sys.executable, __file__, "--trainer", trainer, *argv]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{trainer} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -174,18 +188,33 @@ def main() -> None:
     p.add_argument("--warmup-steps", type=int, default=10, help="steps left out of the median (compilation)")
     p.add_argument("--log-every", type=int, default=5)
     p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--out", default="/tmp/train-speed-bench")
+    p.add_argument("--trainer", choices=["ours", "speculators"], help=argparse.SUPPRESS)  # the worker processes
     a = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     root = Path(a.out)
+    if a.trainer:
+        d = json.loads((root / "bench.json").read_text())
+        vocab = argparse.Namespace(**d["vocab"])  # path, draft_vocab_size
+        if a.trainer == "ours":
+            result = run_ours(Path(d["verifier"]), Path(d["prepared"]), Path(d["manifest"]), vocab, d["aux"],
+                              root / "ours-out", a)
+        else:
+            result = run_speculators(Path(d["verifier"]), Path(d["theirs"]), vocab, d["aux"], root / "speculators-out", a)
+        print(json.dumps(result))
+        return
     shape = TINY if a.tiny else LLAMA_8B
     verifier = make_verifier(root / "verifier", shape)
     t0 = time.perf_counter()
     prepared, manifest, vocab, theirs, aux = make_data(root, verifier, shape, a.samples, a.seq_len, device)
     data_s = time.perf_counter() - t0
-    speculators_result = run_speculators(verifier, theirs, vocab, aux, root / "speculators-out", a)
-    ours = run_ours(verifier, prepared, manifest, vocab, aux, root / "ours-out", a)
+    (root / "bench.json").write_text(json.dumps({
+        "verifier": str(verifier), "prepared": str(prepared), "manifest": str(manifest), "theirs": str(theirs),
+        "aux": aux, "vocab": {"path": vocab.path, "draft_vocab_size": vocab.draft_vocab_size}}))
+    speculators_result = in_fresh_process("speculators", sys.argv[1:])
+    ours = in_fresh_process("ours", sys.argv[1:])
     print(json.dumps({
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "verifier_shape": "Llama-3.1-8B" if not a.tiny else "tiny", "samples": a.samples, "seq_len": a.seq_len,

@@ -228,9 +228,12 @@ class ShardWriter:
     """Assembles each shard in a host buffer and writes it on a background thread.
 
     Captured states go from the device straight into the shard's buffer (pinned memory and a
-    copy stream on CUDA, so the copy overlaps the next forward). Two buffers: the next shard
-    computes while the last one is written; if the disk falls behind, `begin` waits.
+    copy stream on CUDA, so the copy overlaps the next forward). Three buffers: the next shards
+    compute while earlier ones are written; if the disk falls behind, `begin` waits, and the
+    time it waited is reported (`disk_wait_s`: a disk-bound extraction shows it here).
     """
+
+    BUFFERS = 3
 
     def __init__(self, out_dir: Path, max_tokens: int, hidden_size: int, device: str, metadata: dict[str, str]):
         self.out_dir = out_dir
@@ -239,8 +242,9 @@ class ShardWriter:
         self.cuda = device.startswith("cuda")
         shape = (max_tokens, LAYERS_STORED, hidden_size)
         self.free: queue.Queue = queue.Queue()
-        for _ in range(2):
+        for _ in range(self.BUFFERS):
             self.free.put(torch.empty(shape, dtype=STORAGE_DTYPE, pin_memory=self.cuda))
+        self.disk_wait_s = self.write_s = 0.0
         self.copy_stream = torch.cuda.Stream() if self.cuda else None
         self.jobs: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
@@ -251,7 +255,9 @@ class ShardWriter:
     def begin(self, spec: ShardSpec, input_ids: list[list[int]]) -> None:
         self._raise_if_failed()
         self.spec = spec
+        t0 = time.monotonic()
         self.buffer = self.free.get()
+        self.disk_wait_s += time.monotonic() - t0
         self.cursor = 0
         self.finite = torch.ones((), dtype=torch.bool)
         self.ids = input_ids
@@ -282,6 +288,7 @@ class ShardWriter:
     def _run(self) -> None:
         while (job := self.jobs.get()) is not None:
             spec, buffer, ids, finite, event = job
+            t0 = time.monotonic()
             try:
                 if event is not None:
                     event.synchronize()
@@ -297,6 +304,7 @@ class ShardWriter:
             except BaseException as e:  # surfaced on the main thread by the next begin/close
                 self.error = e
             finally:
+                self.write_s += time.monotonic() - t0
                 self.free.put(buffer)
 
     def _raise_if_failed(self) -> None:
@@ -333,6 +341,9 @@ def extract_shards(shards: list[ShardSpec], plan: ExtractionPlan, prepared, out_
     finally:
         writer.close()
         progress.close()
+    written_gb = sum(e["size"] for e in writer.written) / 1e9
+    log.info("writer: %.2f GB in %.1f s of writing (%.2f GB/s); computing waited %.1f s for the disk",
+             written_gb, writer.write_s, written_gb / max(writer.write_s, 1e-9), writer.disk_wait_s)
     return writer.written
 
 

@@ -78,19 +78,33 @@ class TransformersBackend:
 
     @torch.inference_mode()
     def capture(self, batch: list[list[int]]) -> torch.Tensor:
-        """Hidden states of every token of every sequence, packed: [sum(len), len(layers), H]."""
-        lengths = torch.tensor([len(s) for s in batch])
-        input_ids = torch.zeros(len(batch), int(lengths.max()), dtype=torch.long)
+        """Hidden states of every token of every sequence, packed: [sum(len), len(layers), H].
+
+        Nothing here waits for the device: inputs go up asynchronously, and the positions of the
+        real (unpadded) tokens are computed on the host, so the next batch is queued while this one
+        computes (a boolean-mask gather would synchronize on every batch)."""
+        lengths = [len(s) for s in batch]
+        width = max(lengths)
+        input_ids = torch.zeros(len(batch), width, dtype=torch.long)
         for i, seq in enumerate(batch):
-            input_ids[i, : len(seq)] = torch.tensor(seq)
-        mask = torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]
-        input_ids, mask = input_ids.to(self.input_device), mask.to(self.input_device)
+            input_ids[i, : len(seq)] = torch.as_tensor(seq)
+        mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+        flat_positions = torch.cat([torch.arange(n) + i * width for i, n in enumerate(lengths)])
+        pin = self.input_device.type == "cuda"
+        if pin:
+            input_ids, mask, flat_positions = input_ids.pin_memory(), mask.pin_memory(), flat_positions.pin_memory()
+        device = self.input_device
         self._captured.clear()
-        self.decoder(input_ids=input_ids, attention_mask=mask.long(), use_cache=False)
-        out_device = self._captured[self.layers[0]].device
-        states = torch.stack([self._captured[k].to(out_device) for k in self.layers], dim=2)
+        self.decoder(input_ids=input_ids.to(device, non_blocking=pin),
+                     attention_mask=mask.to(device, non_blocking=pin).long(), use_cache=False)
+        first = self._captured[self.layers[0]]
+        out = torch.empty(len(flat_positions), len(self.layers), first.shape[-1], dtype=first.dtype, device=first.device)
+        positions = flat_positions.to(first.device, non_blocking=pin)
+        for j, k in enumerate(self.layers):
+            states = self._captured[k].to(first.device).reshape(-1, first.shape[-1])
+            out[:, j] = states.index_select(0, positions)  # only the real tokens, layer by layer
         self._captured.clear()
-        return states[mask.to(out_device)]  # drop the padding: [sum(len), L, H]
+        return out
 
     def close(self) -> None:
         self.model = self.decoder = None
