@@ -47,7 +47,7 @@ def answer_mtbench(verifier: str, questions: str, out: Path, max_new_tokens: int
     turns = [json.loads(line)["turns"][0] for line in Path(questions).read_text().splitlines() if line.strip()]
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                              tokenize=True)["input_ids"] for t in turns]
-    pad = tokenizer.pad_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     width = max(map(len, prompts))
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
     mask = (torch.arange(width, device=model.device)[None] >= torch.tensor([width - len(p) for p in prompts], device=model.device)[:, None])
