@@ -45,7 +45,16 @@ def main(argv: list[str] | None = None) -> int:
                      help="override a setting, e.g. --set train.epochs=2 (repeatable)")
     run.add_argument("--refresh", action="store_true",
                      help="ignore Prefect's task cache (stages still reuse valid outputs on disk)")
+    prune = sub.add_parser("prune-shards", help="delete hidden-state shards no extraction manifest lists")
+    prune.add_argument("folder", help="an output's hidden_states/ folder")
+    prune.add_argument("--keep", metavar="MANIFEST", help="keep only this manifest's shards (and manifest)")
     args = parser.parse_args(argv)
+    if args.command == "prune-shards":
+        from tasks.shards import prune as prune_shards
+
+        files, freed = prune_shards(args.folder, args.keep)
+        print(f"removed {files} shard files, {freed / 1e9:.2f} GB freed")
+        return 0
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -221,3 +221,22 @@ class ShardReader:
         state = self.__dict__.copy()
         state["_files"], state["_offsets"] = {}, {}
         return state
+
+
+def prune(folder: str | Path, keep_manifest: str | Path | None = None) -> tuple[int, int]:
+    """Delete shard files no manifest in `folder` lists (or, with `keep_manifest`, all but that
+    manifest's shards, and the other manifests). Returns (files, bytes) removed."""
+    folder = Path(folder)
+    manifests = [Path(keep_manifest)] if keep_manifest else sorted(folder.glob("manifest-*.json"))
+    keep = {shard["name"] for m in manifests for shard in json.loads(Path(m).read_text())["shards"]}
+    removed = freed = 0
+    for path in folder.glob("shard-*.safetensors"):
+        if path.name not in keep:
+            freed += path.stat().st_size
+            path.unlink()
+            removed += 1
+    if keep_manifest:
+        for other in folder.glob("manifest-*.json"):
+            if other.resolve() != Path(keep_manifest).resolve():
+                other.unlink()
+    return removed, freed

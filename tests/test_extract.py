@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -109,6 +108,22 @@ def test_changed_layers_make_old_shards_stale(reference, prepared, smollm2, tmp_
     for shard in manifest["shards"]:
         assert json.loads(read_metadata(tmp_path / shard["name"])["layers"]) == [3, 14, 26, 30]
     assert len(list(tmp_path.glob("shard-*"))) == 2 * result.shards  # the old ones were never reused
+
+
+def test_prune_removes_the_shards_of_other_inputs(reference, prepared, smollm2, tmp_path):
+    from flows.cli import main
+
+    ref_dir, _ = reference
+    shutil.copytree(ref_dir, tmp_path, dirs_exist_ok=True)
+    other = run_extraction(job_for(prepared, smollm2, tmp_path, aux_layers=[4, 12, 20]), in_process=True)
+    before = shard_bytes(tmp_path)
+    assert main(["prune-shards", str(tmp_path)]) == 0  # both manifests still list their shards
+    assert shard_bytes(tmp_path) == before
+    assert main(["prune-shards", str(tmp_path), "--keep", other.manifest]) == 0
+    kept = {s["name"] for s in json.loads(Path(other.manifest).read_text())["shards"]}
+    assert set(shard_bytes(tmp_path)) == kept and len(list(tmp_path.glob("manifest-*.json"))) == 1
+    assert run_extraction(job_for(prepared, smollm2, tmp_path, aux_layers=[4, 12, 20]),
+                          in_process=True).shards_extracted == 0
 
 
 def test_truncated_or_corrupt_shard_is_detected_and_redone(reference, prepared, smollm2, tmp_path):
