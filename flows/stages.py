@@ -8,9 +8,10 @@ run id or a path string: re-running with the same inputs is a cache hit in any l
 an edited dataset re-runs prepare and everything downstream. Results are small dataclasses
 (paths, fingerprints, counts), never tensors.
 
-GPU-heavy stages (extract, train) run their work in subprocesses (tasks/extract.py and
-tasks/train.py launch them), so a CUDA abort, OOM kill or segfault fails the task, which
-retries and resumes from the shards or checkpoints on disk, instead of crashing the flow.
+GPU-heavy stages (extract, train, validate) run their work in subprocesses (tasks/extract.py,
+tasks/train.py and tasks/vllm_live.py launch them), so a CUDA abort, OOM kill or segfault fails
+the task, which retries and resumes from the shards or checkpoints on disk, instead of crashing
+the flow.
 """
 
 from __future__ import annotations
@@ -32,13 +33,13 @@ from prefect.logging import get_run_logger
 from prefect.tasks import exponential_backoff
 
 import tasks.chat_data
+import tasks.draft_check
 import tasks.extract
 import tasks.hf_backend
 import tasks.prepare
 import tasks.regenerate
 import tasks.shards
 import tasks.train
-import tasks.draft_check
 import tasks.train_data
 import tasks.validate
 import tasks.vllm_live
@@ -57,13 +58,15 @@ GPU_STAGE = {"retries": 2, "retry_delay_seconds": exponential_backoff(backoff_fa
 
 
 @cache
-def code_fingerprint(*modules) -> str:
-    return hashlib.sha256("".join(inspect.getsource(m) for m in modules).encode()).hexdigest()
+def code_fingerprint(*code) -> str:
+    return hashlib.sha256("".join(inspect.getsource(c) for c in code).encode()).hexdigest()
 
 
-def cache_key(stage: str, *parts, modules: tuple = ()) -> str:
-    blob = json.dumps([stage, code_fingerprint(*modules), *parts], sort_keys=True, default=str)
-    return f"{stage}-{hashlib.sha256(blob.encode()).hexdigest()}"
+def cache_key(ctx, *parts, modules: tuple = ()) -> str:
+    """The task's name and source, the source of the modules doing its work, and its inputs' content."""
+    code = code_fingerprint(ctx.task.fn, *modules)
+    blob = json.dumps([ctx.task.name, code, *parts], sort_keys=True, default=str)
+    return f"{ctx.task.name}-{hashlib.sha256(blob.encode()).hexdigest()}"
 
 
 def stage_dir(config: PipelineConfig, stage: str) -> Path:
@@ -123,7 +126,7 @@ def _prepare_key(ctx, p) -> str:
     regenerate = ({**c.data.regenerate.model_dump(), "verifier": verifier_fingerprint(c.verifier.path)}
                   if c.data.regenerate.enabled else None)
     fp = prepare_fingerprint(c.verifier.path, c.data.sources, c.data.max_rows, c.data.max_seq_len, regenerate)
-    return cache_key("prepare", fp, c.output_dir, modules=(tasks.prepare, tasks.chat_data, tasks.regenerate))
+    return cache_key(ctx, fp, c.output_dir, modules=(tasks.prepare, tasks.chat_data, tasks.regenerate))
 
 
 @task(name="prepare", cache_key_fn=_prepare_key, retries=1, retry_delay_seconds=5)
@@ -152,7 +155,7 @@ def _extract_job(config: PipelineConfig, prepared: PreparedData) -> ExtractJob:
 
 def _extract_key(ctx, p) -> str:
     c: PipelineConfig = p["config"]
-    return cache_key("extract", p["prepared"].fingerprint, verifier_fingerprint(c.verifier.path), c.verifier.dtype,
+    return cache_key(ctx, p["prepared"].fingerprint, verifier_fingerprint(c.verifier.path), c.verifier.dtype,
                      c.extract.model_dump(), c.output_dir,
                      modules=(tasks.extract, tasks.shards, tasks.hf_backend))
 
@@ -174,7 +177,7 @@ def extract_task(config: PipelineConfig, prepared: PreparedData) -> ExtractResul
 
 def _vocab_key(ctx, p) -> str:
     c: PipelineConfig = p["config"]
-    return cache_key("vocab", p["prepared"].fingerprint, c.vocab.draft_vocab_size,
+    return cache_key(ctx, p["prepared"].fingerprint, c.vocab.draft_vocab_size,
                      inspect_verifier(c.verifier.path).vocab_size, c.output_dir, modules=(tasks.vocab,))
 
 
@@ -201,7 +204,7 @@ def _train_job(config: PipelineConfig, prepared: PreparedData, extracted: Extrac
 
 def _train_key(ctx, p) -> str:
     c: PipelineConfig = p["config"]
-    return cache_key("train", p["extracted"].fingerprint, p["vocab"].fingerprint, c.train.model_dump(),
+    return cache_key(ctx, p["extracted"].fingerprint, p["vocab"].fingerprint, c.train.model_dump(),
                      c.output_dir, modules=(tasks.train, tasks.train_data))
 
 
@@ -227,7 +230,7 @@ def train_task(config: PipelineConfig, prepared: PreparedData, extracted: Extrac
 
 def _validate_key(ctx, p) -> str:
     c: PipelineConfig = p["config"]
-    return cache_key("validate", p["trained"].fingerprint, c.validation.model_dump(), c.output_dir,
+    return cache_key(ctx, p["trained"].fingerprint, c.validation.model_dump(), c.output_dir,
                      modules=(tasks.validate, tasks.draft_check, tasks.vllm_live))
 
 
