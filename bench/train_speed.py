@@ -213,8 +213,11 @@ def main() -> None:
     (root / "bench.json").write_text(json.dumps({
         "verifier": str(verifier), "prepared": str(prepared), "manifest": str(manifest), "theirs": str(theirs),
         "aux": aux, "vocab": {"path": vocab.path, "draft_vocab_size": vocab.draft_vocab_size}}))
+    print(f"data: {data_s:.0f} s", flush=True)
     speculators_result = in_fresh_process("speculators", sys.argv[1:])
+    print(f"speculators: {json.dumps(speculators_result)}", flush=True)  # kept if the run is cut short
     ours = in_fresh_process("ours", sys.argv[1:])
+    print(f"ours: {json.dumps(ours)}", flush=True)
     print(json.dumps({
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "verifier_shape": "Llama-3.1-8B" if not a.tiny else "tiny", "samples": a.samples, "seq_len": a.seq_len,

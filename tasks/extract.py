@@ -338,12 +338,14 @@ def extract_shards(shards: list[ShardSpec], plan: ExtractionPlan, prepared, out_
                 writer.add(backend.capture([ids[position[r]] for r in batch]))
                 progress.update(sum(lengths[r] for r in batch), note=f"shard {spec.index + 1}/{len(plan.shards)}")
             writer.finish()
+        t_last_batch = time.monotonic()
     finally:
         writer.close()
         progress.close()
     written_gb = sum(e["size"] for e in writer.written) / 1e9
-    log.info("writer: %.2f GB in %.1f s of writing (%.2f GB/s); computing waited %.1f s for the disk",
-             written_gb, writer.write_s, written_gb / max(writer.write_s, 1e-9), writer.disk_wait_s)
+    log.info("writer: %.2f GB in %.1f s of writing (%.2f GB/s); computing waited %.1f s for the disk; "
+             "the last shard's write took %.1f s after the last batch", written_gb, writer.write_s,
+             written_gb / max(writer.write_s, 1e-9), writer.disk_wait_s, time.monotonic() - t_last_batch)
     return writer.written
 
 
