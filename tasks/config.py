@@ -53,7 +53,12 @@ class ExtractSettings(Section):
     )
     device: str = Field("auto", description="transformers backend: 'auto', 'cpu', 'cuda', 'cuda:1', ...")
     batch_tokens: int = Field(16384, gt=0, description="Padded tokens per forward batch.")
-    shard_tokens: int = Field(262144, gt=0, description="Target tokens per shard file.")
+    shard_tokens: int = Field(
+        65536, gt=0,
+        description="Target tokens per shard file (x 4 layers x hidden x 2 bytes: 2.1 GB for hidden 4096). Each "
+        "worker holds 3 shards in host memory, a crash redoes at most the shards in flight, and the last "
+        "shard's write is a fixed tail of every run.",
+    )
     tensor_parallel_size: int = Field(1, gt=0, description="vLLM backend.")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vLLM backend.")
     workers: int = Field(1, gt=0, description="Data-parallel extraction processes (one per GPU).")

@@ -32,6 +32,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import psutil
 import torch
 import xxhash
 
@@ -54,6 +55,7 @@ log = logging.getLogger(__name__)
 STORAGE_DTYPE = torch.bfloat16
 BYTES_PER_VALUE = 2
 LAYERS_STORED = 4  # 3 auxiliary + the last
+WRITER_BUFFERS = 3  # shards in host memory per worker: one filling, two queued or being written
 
 
 class ExtractError(RuntimeError):
@@ -78,6 +80,11 @@ class ExtractionPlan:
     @property
     def bytes_total(self) -> int:
         return self.tokens * LAYERS_STORED * self.hidden_size * BYTES_PER_VALUE
+
+    @property
+    def host_buffer_bytes(self) -> int:
+        """Host memory one worker's ShardWriter holds: its buffers, each the size of the largest shard."""
+        return WRITER_BUFFERS * max(s.tokens for s in self.shards) * LAYERS_STORED * self.hidden_size * BYTES_PER_VALUE
 
     @property
     def pending(self) -> list[ShardSpec]:
@@ -105,6 +112,7 @@ class ExtractionPlan:
             "bytes_to_write_gb": round(self.bytes_to_write / 1e9, 3),
             "free_disk_gb": round(self.free_bytes / 1e9, 1),
             "stale_shards_gb": round(self.stale_bytes / 1e9, 3),
+            "host_buffers_gb_per_worker": round(self.host_buffer_bytes / 1e9, 2),
             "estimated_time": format_seconds(self.est_seconds) if self.est_seconds is not None else "n/a",
         }
 
@@ -115,6 +123,7 @@ class ExtractionPlan:
             f"({s['shards_done']} already done); layers {s['layers']} of {self.verifier}\n"
             f"  disk: {s['bytes_total_gb']} GB in all, {s['bytes_to_write_gb']} GB to write, "
             f"{s['free_disk_gb']} GB free" + (f", {s['stale_shards_gb']} GB of stale shards" if self.stale_bytes else "")
+            + f"; host memory: {s['host_buffers_gb_per_worker']} GB of shard buffers per worker"
             + f"\n  estimated time for {s['tokens_to_extract']:,} tokens: {s['estimated_time']} (rough: FLOPs of the "
             "weights at 40% of this device's measured matmul rate; progress reports the real rate)"
         )
@@ -233,8 +242,6 @@ class ShardWriter:
     time it waited is reported (`disk_wait_s`: a disk-bound extraction shows it here).
     """
 
-    BUFFERS = 3
-
     def __init__(self, out_dir: Path, max_tokens: int, hidden_size: int, device: str, metadata: dict[str, str]):
         self.out_dir = out_dir
         self.metadata = metadata
@@ -242,7 +249,7 @@ class ShardWriter:
         self.cuda = device.startswith("cuda")
         shape = (max_tokens, LAYERS_STORED, hidden_size)
         self.free: queue.Queue = queue.Queue()
-        for _ in range(self.BUFFERS):
+        for _ in range(WRITER_BUFFERS):
             self.free.put(torch.empty(shape, dtype=STORAGE_DTYPE, pin_memory=self.cuda))
         self.disk_wait_s = self.write_s = 0.0
         self.copy_stream = torch.cuda.Stream() if self.cuda else None
@@ -484,6 +491,18 @@ def check_disk(plan: ExtractionPlan, out_dir: Path, reserve_gb: float) -> None:
         )
 
 
+def check_host_memory(plan: ExtractionPlan, workers: int) -> None:
+    """Shard buffers are pinned on CUDA; pinning more than half the free memory starves the host
+    (and the verifier's own loading), so such a config is refused before any model loads."""
+    need, available = plan.host_buffer_bytes * workers, psutil.virtual_memory().available
+    if need > available / 2:
+        raise ExtractError(
+            f"extract.shard_tokens={max(s.tokens for s in plan.shards):,} needs {need / 1e9:.1f} GB of host memory for "
+            f"shard buffers ({workers} worker(s) x {WRITER_BUFFERS} shards of {plan.host_buffer_bytes / WRITER_BUFFERS / 1e9:.2f} GB), "
+            f"more than half of the {available / 1e9:.1f} GB available: lower extract.shard_tokens"
+        )
+
+
 def make_backend(job: ExtractJob, verifier: VerifierInfo, layers: list[int]):
     s = job.extract_settings
     if s.backend == "vllm":
@@ -530,6 +549,7 @@ def run_extraction(job: ExtractJob, *, in_process: bool = False, callback: Progr
     if on_plan is not None:
         on_plan(plan)
     check_disk(plan, out_dir, s.reserve_disk_gb)
+    check_host_memory(plan, s.workers)
     pending_tokens, shards_pending = plan.pending_tokens, len(plan.pending)
     t_extract = time.monotonic()
     if not plan.pending:
