@@ -371,13 +371,17 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
             if step % s.eval_every == 0 or step == total_steps:
                 val = validate() if val_set else {}
                 acceptance = simulated_acceptance_length(val, s.ttt_steps) if val else 0.0
-                if acceptance > best["acceptance"]:
+                if acceptance > best["acceptance"] or not val:  # without a validation set, the latest is kept
                     best = {"step": step, "acceptance": acceptance, "metrics": val}
-                if rank == 0:
+                if rank == 0 and val:
                     append_metrics(out_dir, {"split": "val", "step": step, **val,
                                              "simulated_acceptance_length": acceptance})
                     log.info("validation at step %d: simulated acceptance length %.3f (best %.3f at step %d), "
-                             "loss %.4f", step, acceptance, best["acceptance"], best["step"], val.get("loss", float("nan")))
+                             "loss %.4f", step, acceptance, best["acceptance"], best["step"], val["loss"])
+                elif rank == 0:
+                    log.info("checkpoint at step %d (train.val_fraction=0: no validation, the latest checkpoint "
+                             "is the one exported)", step)
+                if rank == 0:
                     save_checkpoint(out_dir, model, optimizers, schedulers, {"step": step, "best": best},
                                     s.keep_checkpoints, best["step"])
                 if world > 1:

@@ -68,7 +68,9 @@ def test_vocab_is_capped_at_the_verifier_vocabulary(data, smollm2, tmp_path):
 def test_short_run_overfits_and_reloads_in_speculators(data, smollm2, tmp_path):
     from speculators import SpeculatorModel
 
-    result = train(data, smollm2, tmp_path, epochs=12, eval_every=100, val_fraction=0.0)
+    result = train(data, smollm2, tmp_path, epochs=12, eval_every=10, val_fraction=0.0)
+    assert result.steps > 10 and result.best_step == result.steps  # no validation set: the latest is exported
+    assert not [m for m in read_metrics(tmp_path) if m["split"] == "val"]
     train_log = [m for m in read_metrics(tmp_path) if m["split"] == "train"]
     first, last = train_log[0], train_log[-1]
     assert last["full_acc_0"] > first["full_acc_0"] + 0.25, (first["full_acc_0"], last["full_acc_0"])
