@@ -2,6 +2,7 @@
 
     python bench/scaling.py --gpus 2            # Llama-3.1-8B shapes, random bf16 weights (2 GPUs)
     python bench/scaling.py --gpus 2 --tiny     # a small verifier on CPU processes: checks the harness
+    python bench/scaling.py --gpus 1            # one GPU: two identical runs, the noise floor of the ratios
 
 Both halves run the pipeline's own multi-process code, not a copy of it:
 - extraction: `tasks.extract.run_extraction` with `workers` = 1, then `--gpus` (one process per GPU,
@@ -105,8 +106,8 @@ def main() -> None:
     verifier = save_random_verifier(root / "verifier", shape, device)
     prepared = random_prepared(root / "prepared", a.samples, a.seq_len, shape["vocab_size"])
 
-    one = extract(verifier, prepared, root / "prepared", root / "extract-1", 1, a)
-    many = extract(verifier, prepared, root / "prepared", root / f"extract-{a.gpus}", a.gpus, a)
+    one = extract(verifier, prepared, root / "prepared", root / "extract-single", 1, a)
+    many = extract(verifier, prepared, root / "prepared", root / "extract-parallel", a.gpus, a)
     shards_1, shards_n = read_manifest(one["manifest"])["shards"], read_manifest(many["manifest"])["shards"]
     same = sum(x["name"] == y["name"] and x["checksum"] == y["checksum"] for x, y in zip(shards_1, shards_n))
     print(f"extraction: 1 worker {one}, {a.gpus} workers {many}", flush=True)
@@ -114,15 +115,15 @@ def main() -> None:
     n = shape["num_hidden_layers"]
     aux = [2, n // 2, n - 3]
     vocab = build_vocab(str(root / "prepared"), "bench", str(verifier), root, min(32000, shape["vocab_size"]))
-    single = train(verifier, root / "prepared", many["manifest"], vocab, aux, root / "train-1", 1, a.gpus, a)
-    ddp = train(verifier, root / "prepared", many["manifest"], vocab, aux, root / f"train-{a.gpus}", a.gpus, 1, a)
+    single = train(verifier, root / "prepared", many["manifest"], vocab, aux, root / "train-single", 1, a.gpus, a)
+    ddp = train(verifier, root / "prepared", many["manifest"], vocab, aux, root / "train-parallel", a.gpus, 1, a)
     print(json.dumps({
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu processes",
         "gpus": a.gpus, "verifier_shape": "tiny" if a.tiny else "Llama-3.1-8B", "tokens": sum(prepared["seq_len"]),
         f"extract_scaling_{a.gpus}gpu": round(many["tokens_per_s"] / one["tokens_per_s"], 3),
-        "extract": {"1": one, str(a.gpus): many, "shards_identical": f"{same}/{len(shards_1)}"},
+        "extract": {"single": one, "parallel": many, "shards_identical": f"{same}/{len(shards_1)}"},
         f"train_scaling_{a.gpus}gpu": round(ddp["tokens_per_s"] / single["tokens_per_s"], 3),
-        "train": {"1": single, str(a.gpus): ddp,
+        "train": {"single": single, "parallel": ddp,
                   "loss_rel_diff": round(abs(ddp["loss_last"] - single["loss_last"]) / single["loss_last"], 5)},
         "torch": torch.__version__,
     }))
