@@ -66,3 +66,14 @@ def test_cli_rejects_a_bad_config_before_any_work(tmp_path, capsys):
     assert main(["run", str(write(tmp_path, BASE + f"output_dir: {tmp_path / 'out'}\ntrain: {{lr: -1}}"))]) == 2
     assert "train.lr" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_empty_cache_variables_count_as_unset(monkeypatch, tmp_path):
+    from tasks.demo_assets import cache_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("EAGLE3_CACHE_DIR", "")
+    monkeypatch.setenv("XDG_CACHE_HOME", "")
+    assert cache_dir() == tmp_path / ".cache" / "eagle3-pipeline"
+    monkeypatch.setenv("EAGLE3_CACHE_DIR", str(tmp_path / "assets"))
+    assert cache_dir() == tmp_path / "assets"
