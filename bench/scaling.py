@@ -8,7 +8,7 @@ Both halves run the pipeline's own multi-process code, not a copy of it:
 - extraction: `tasks.extract.run_extraction` with `workers` = 1, then `--gpus` (one process per GPU,
   shards by rank, one output folder), each run verified in full (every sample once, checksums) and
   the two outputs compared shard by shard. Rate: tokens over the longest worker's extraction time
-  (from model loaded to last batch; loading is reported apart, it does not scale with GPUs);
+  (from model loaded to last batch); `wall_s` adds loading and verification, which GPUs do not speed up;
 - training: `tasks.train.run_training` with `nproc` = 1 and `grad_accum_steps` = `--gpus`, then
   torchrun with `nproc` = `--gpus` and no accumulation: the same global batch and samples per step.
   Rate: median tokens/s of the steady-state windows; the loss of both runs at the last step.
@@ -53,7 +53,7 @@ def save_random_verifier(folder: Path, shape: dict, device: str) -> Path:
     return folder
 
 
-def extract(verifier: Path, prepared, prepared_dir: Path, out: Path, workers: int, a) -> dict:
+def extract(verifier: Path, prepared_dir: Path, out: Path, workers: int, a) -> dict:
     settings = {"batch_tokens": a.batch_tokens, "shard_tokens": a.shard_tokens, "workers": workers,
                 "reserve_disk_gb": 1}
     t0 = time.perf_counter()
@@ -106,8 +106,8 @@ def main() -> None:
     verifier = save_random_verifier(root / "verifier", shape, device)
     prepared = random_prepared(root / "prepared", a.samples, a.seq_len, shape["vocab_size"])
 
-    one = extract(verifier, prepared, root / "prepared", root / "extract-single", 1, a)
-    many = extract(verifier, prepared, root / "prepared", root / "extract-parallel", a.gpus, a)
+    one = extract(verifier, root / "prepared", root / "extract-single", 1, a)
+    many = extract(verifier, root / "prepared", root / "extract-parallel", a.gpus, a)
     shards_1, shards_n = read_manifest(one["manifest"])["shards"], read_manifest(many["manifest"])["shards"]
     same = sum(x["name"] == y["name"] and x["checksum"] == y["checksum"] for x, y in zip(shards_1, shards_n))
     print(f"extraction: 1 worker {one}, {a.gpus} workers {many}", flush=True)

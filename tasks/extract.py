@@ -497,9 +497,9 @@ def check_host_memory(plan: ExtractionPlan, workers: int) -> None:
     need, available = plan.host_buffer_bytes * workers, psutil.virtual_memory().available
     if need > available / 2:
         raise ExtractError(
-            f"extract.shard_tokens={max(s.tokens for s in plan.shards):,} needs {need / 1e9:.1f} GB of host memory for "
-            f"shard buffers ({workers} worker(s) x {WRITER_BUFFERS} shards of {plan.host_buffer_bytes / WRITER_BUFFERS / 1e9:.2f} GB), "
-            f"more than half of the {available / 1e9:.1f} GB available: lower extract.shard_tokens"
+            f"shard buffers need {need / 1e9:.1f} GB of host memory ({workers} worker(s) x {WRITER_BUFFERS} "
+            f"shards of {plan.host_buffer_bytes / WRITER_BUFFERS / 1e9:.2f} GB), more than half of the "
+            f"{available / 1e9:.1f} GB available: lower extract.shard_tokens"
         )
 
 
@@ -549,7 +549,8 @@ def run_extraction(job: ExtractJob, *, in_process: bool = False, callback: Progr
     if on_plan is not None:
         on_plan(plan)
     check_disk(plan, out_dir, s.reserve_disk_gb)
-    check_host_memory(plan, s.workers)
+    if plan.pending:  # a complete folder allocates no buffers
+        check_host_memory(plan, s.workers)
     pending_tokens, shards_pending = plan.pending_tokens, len(plan.pending)
     t_extract = time.monotonic()
     if not plan.pending:
