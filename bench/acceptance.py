@@ -170,7 +170,7 @@ def main() -> None:
         "rows": a.rows, "samples": extracted.samples, "tokens": extracted.tokens, "steps": a.steps,
         "total_seq_len": a.total_seq_len, "lr": a.lr, "mtbench_answers": evaluation.rows,
         "ours": {**scores["ours"], "best_step": ours.best_step, "heldout_sharegpt_sim_al": ours.simulated_acceptance_length,
-                 "train_tokens_per_s": ours.train_tokens_per_s},
+                 "steady_tokens_per_s": ours.steady_tokens_per_s},
         "speculators": {**scores["speculators"], "checkpoint": their_draft.name, "train_tokens_per_s": theirs["tokens_per_s"]},
         "acceptance_vs_speculators": round(scores["ours"]["simulated_acceptance_length"]
                                            / scores["speculators"]["simulated_acceptance_length"], 4),

@@ -459,8 +459,9 @@ class ExtractResult:
     shards: int
     shards_extracted: int
     verifier_loaded: bool
-    wall_s: float
-    tokens_per_s: float | None
+    wall_s: float  # the whole stage: plan, worker start-up, verifier load, extraction, verification
+    steady_tokens_per_s: float | None  # forward passes and capture, first batch (warm-up) and last write excluded
+    wall_tokens_per_s: float | None  # tokens extracted / the extraction's wall time (start-up and load included)
 
 
 def load_inputs(job: ExtractJob):
@@ -552,14 +553,27 @@ def run_extraction(job: ExtractJob, *, in_process: bool = False, callback: Progr
     if plan.pending:  # a complete folder allocates no buffers
         check_host_memory(plan, s.workers)
     pending_tokens, shards_pending = plan.pending_tokens, len(plan.pending)
+    last: list[ProgressEvent] = []
+
+    def remember(event: ProgressEvent) -> None:
+        if event.stage.startswith("extract"):
+            last[:] = [event]
+        if callback is not None:
+            callback(event)
+
     t_extract = time.monotonic()
     if not plan.pending:
         log.info("all %d shards are complete: the verifier is not loaded", len(plan.shards))
     elif in_process:
-        run_worker(job, callback=callback)
+        run_worker(job, callback=remember)
     else:
-        run_worker_processes(job, s.workers, callback)
+        run_worker_processes(job, s.workers, remember)
     extract_s = time.monotonic() - t_extract
+    steady = last[0].rate if last else None
+    if pending_tokens:
+        log.info("extracted %s tokens in %.1f s wall (%s tokens/s; start-up and verifier load included), steady "
+                 "state %s tokens/s", f"{pending_tokens:,}", extract_s, f"{pending_tokens / extract_s:,.0f}",
+                 f"{steady:,.0f}" if steady else "n/a")
     plan.done, plan.stale_bytes = existing_shards(out_dir, plan.shards)
     if plan.pending:
         raise ExtractError(f"{len(plan.pending)} shards are still missing after extraction, e.g. {plan.pending[0].name}")
@@ -576,7 +590,8 @@ def run_extraction(job: ExtractJob, *, in_process: bool = False, callback: Progr
         shards_extracted=shards_pending,
         verifier_loaded=pending_tokens > 0,
         wall_s=round(time.monotonic() - t0, 2),
-        tokens_per_s=round(pending_tokens / extract_s, 1) if pending_tokens else None,
+        steady_tokens_per_s=round(steady, 1) if steady else None,
+        wall_tokens_per_s=round(pending_tokens / extract_s, 1) if pending_tokens else None,
     )
 
 
@@ -606,12 +621,15 @@ def run_worker_processes(job: ExtractJob, workers: int, callback: ProgressCallba
         procs.append(subprocess.Popen(cmd, env=env))
     followers = [ProgressFile(progress_dir / f"rank-{r}.jsonl") for r in range(workers)]
     last = None
-    while any(p.poll() is None for p in procs):
-        time.sleep(2)
+    while True:
+        running = any(p.poll() is None for p in procs)
         merged = merge_progress([f.latest() for f in followers])
         if callback is not None and merged is not None and merged != last:
             callback(merged)
             last = merged
+        if not running:
+            break  # read once more after the last exit: the workers' final events
+        time.sleep(2)
     failed = {rank: p.returncode for rank, p in enumerate(procs) if p.returncode != 0}
     if failed:
         raise ExtractError(f"extraction workers failed (rank: exit code) {failed}; finished shards are kept")

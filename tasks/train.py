@@ -43,6 +43,7 @@ from tasks.train_data import (
     ShardDataset,
     StepBatches,
     TrainDataError,
+    TrainSchedule,
     make_loader,
     read_manifest,
     split_indices,
@@ -52,7 +53,7 @@ from tasks.vocab import load_vocab
 
 log = logging.getLogger(__name__)
 
-TRAIN_FORMAT = "train-v1"
+TRAIN_FORMAT = "train-v2"  # v2: each epoch its own packed step count
 MODEL_INPUTS = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids",
                 "verifier_last_hidden_states")
 
@@ -85,8 +86,9 @@ class TrainResult:
     best_step: int
     simulated_acceptance_length: float
     val_metrics: dict
-    train_tokens_per_s: float | None
-    wall_s: float
+    trained_tokens: int  # real (unpadded) tokens of this process group's optimizer steps, this attempt
+    steady_tokens_per_s: float | None  # training steps only: no compilation window, validation or checkpoints
+    wall_s: float  # the whole attempt: start-up, data, compilation, training, validation, export
 
 
 def simulated_acceptance_length(metrics: dict[str, float], k: int) -> float:
@@ -292,11 +294,12 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
     val_set = ShardDataset(job.manifest, job.prepared_path, val_idx) if val_idx else None
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     hidden = manifest["hidden_size"]
-    per_epoch = StepBatches(train_set.lengths(), s.total_seq_len, world, 0, s.grad_accum_steps, s.seed, 0).steps
-    if per_epoch == 0:
+    schedule = TrainSchedule(train_set.lengths(), s.total_seq_len, world, s.grad_accum_steps, s.seed, s.epochs,
+                             s.max_steps)
+    if schedule.per_epoch[0] == 0:
         raise TrainDataError(f"{len(train_idx)} training samples give no full step for {world} process(es) x "
                              f"{s.grad_accum_steps} micro-batches; lower train.total_seq_len or add data")
-    total_steps = min(s.max_steps or 10**18, s.epochs * per_epoch)
+    total_steps = schedule.total_steps
 
     torch.manual_seed(s.seed)
     model = build_draft(job, d2t, t2d, draft_vocab, device)
@@ -325,14 +328,14 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
     note = ""
     sums: dict[str, torch.Tensor] = {}
     tokens, t_window = 0, time.monotonic()
-    train_tokens_total, train_time_total = 0, 0.0
+    trained_tokens, steady_tokens, steady_s, windows = 0, 0, 0.0, 0
     net.train()
     while step < total_steps:
-        epoch, in_epoch = divmod(step, per_epoch)
+        epoch, in_epoch = schedule.locate(step)
         sampler = StepBatches(train_set.lengths(), s.total_seq_len, world, rank, s.grad_accum_steps, s.seed, epoch,
                               start_step=in_epoch)
         batches = iter(make_loader(train_set, sampler, s.total_seq_len, hidden, dtype, s.loader_workers))
-        for _ in range(in_epoch, per_epoch):
+        for _ in range(in_epoch, schedule.per_epoch[epoch]):
             if step >= total_steps:
                 break
             for o in optimizers:
@@ -356,8 +359,10 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
             step += 1
             if step % s.log_every == 0 or step == total_steps:
                 now = time.monotonic()
-                train_tokens_total += tokens
-                train_time_total += now - t_window
+                trained_tokens += tokens * world
+                if windows:  # the first window of a (re)start holds torch.compile's compilation
+                    steady_tokens, steady_s = steady_tokens + tokens * world, steady_s + now - t_window
+                windows += 1
                 metrics = reduce_metrics(sums, world > 1)
                 metrics.update(step=step, epoch=epoch, lr=schedulers[0].get_last_lr()[0],
                                tokens_per_s=round(tokens * world / (now - t_window), 1))
@@ -397,11 +402,14 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
     result = TrainResult(
         draft_path=str(draft), fingerprint="", steps=step, best_step=best["step"],
         simulated_acceptance_length=round(best["acceptance"], 4), val_metrics=best["metrics"],
-        train_tokens_per_s=round(train_tokens_total * world / train_time_total, 1) if train_time_total else None,
+        trained_tokens=trained_tokens,
+        steady_tokens_per_s=round(steady_tokens / steady_s, 1) if steady_s else None,
         wall_s=round(time.monotonic() - t0, 2),
     )
-    log.info("draft exported to %s: best step %d, simulated acceptance length %.3f (k=%d)", draft, best["step"],
-             best["acceptance"], s.ttt_steps)
+    log.info("draft exported to %s: best step %d, simulated acceptance length %.3f (k=%d); %s tokens trained, "
+             "steady state %s tokens/s (compilation, validation and checkpoints excluded), %.0f s wall", draft,
+             best["step"], best["acceptance"], s.ttt_steps, f"{trained_tokens:,}",
+             f"{result.steady_tokens_per_s:,.0f}" if result.steady_tokens_per_s else "n/a", result.wall_s)
     return result
 
 

@@ -98,8 +98,30 @@ class StepBatches(torch.utils.data.Sampler):
         return len(self.batches)
 
 
-def steps_per_epoch(lengths: list[int], total_seq_len: int, world_size: int, grad_accum_steps: int, seed: int) -> int:
-    return StepBatches(lengths, total_seq_len, world_size, 0, grad_accum_steps, seed, epoch=0).steps
+class TrainSchedule:
+    """How many optimizer steps each epoch has, the run's total, and where a step lies.
+
+    Packing reshuffles every epoch, so epochs pack into different numbers of steps (a few
+    fewer or more): the schedule counts each epoch's own packing. The learning-rate schedule,
+    the progress total and the position a resumed run starts from all come from here.
+    """
+
+    def __init__(self, lengths: list[int], total_seq_len: int, world_size: int, grad_accum_steps: int, seed: int,
+                 epochs: int, max_steps: int | None = None):
+        self.per_epoch: list[int] = []
+        for epoch in range(epochs):  # every rank packs the same number of steps: rank 0's count is the count
+            self.per_epoch.append(StepBatches(lengths, total_seq_len, world_size, 0, grad_accum_steps, seed, epoch).steps)
+            if max_steps and sum(self.per_epoch) >= max_steps:
+                break
+        self.total_steps = min(sum(self.per_epoch), max_steps or sum(self.per_epoch))
+
+    def locate(self, step: int) -> tuple[int, int]:
+        """(epoch, step within that epoch) of the run's `step`-th step (0-based)."""
+        for epoch, steps in enumerate(self.per_epoch):
+            if step < steps:
+                return epoch, step
+            step -= steps
+        raise IndexError(f"step past the schedule's {sum(self.per_epoch)} steps")
 
 
 def make_loader(dataset: ShardDataset, sampler: StepBatches, total_seq_len: int, hidden_size: int,

@@ -98,28 +98,67 @@ def test_simulated_acceptance_length_chains_conditional_accuracies():
     assert simulated_acceptance_length({"cond_acc_0": 1.0, "cond_acc_1": 1.0}, 2) == 3.0
 
 
-def test_kill_then_resume_reproduces_the_uninterrupted_trajectory(data, smollm2, tmp_path):
-    settings = {"epochs": 4}
+@pytest.fixture(scope="module")
+def varied_data(smollm2, sharegpt, tmp_path_factory):
+    """Samples of varied lengths (up to 256 tokens): packing them differs from epoch to epoch."""
+    root = tmp_path_factory.mktemp("varied-data")
+    prepared = prepare(smollm2, [sharegpt], root, max_seq_len=256, max_rows=40)
+    extraction = run_extraction(ExtractJob(prepared.path, prepared.fingerprint, smollm2, str(root / "hs"),
+                                           settings={"batch_tokens": 2048, "shard_tokens": 3000}), in_process=True)
+    vocab = build_vocab(prepared.path, prepared.fingerprint, smollm2, root, draft_vocab_size=1024)
+    return prepared, extraction, vocab
+
+
+def test_kill_then_resume_across_uneven_epochs_reproduces_the_uninterrupted_run(varied_data, smollm2, tmp_path):
+    """Epochs pack into different step counts; a run killed in its first epoch resumes across the
+    epoch boundaries and ends where the uninterrupted run ends, step for step."""
+    from tasks.shards import ShardReader
+    from tasks.train_data import StepBatches, split_indices
+
+    epochs, total_seq_len = 4, 512
+    reader = ShardReader(varied_data[1].manifest)
+    train_idx, _ = split_indices(reader.sample_ids, FAST["val_fraction"])
+    lengths = [reader.lengths[i] for i in train_idx]
+
+    def steps(seed: int) -> list[int]:  # each epoch's packing, straight from the sampler
+        return [StepBatches(lengths, total_seq_len, 1, 0, 1, seed, e).steps for e in range(epochs)]
+
+    seed = next(s for s in range(50) if min(steps(s)[1:]) < steps(s)[0])  # a later epoch packs fewer steps
+    per_epoch = steps(seed)
+    settings = {"epochs": epochs, "total_seq_len": total_seq_len, "seed": seed}
+    assert per_epoch[0] > FAST["eval_every"]  # the first checkpoint lies inside the first epoch
+
+    events = []
     reference = tmp_path / "reference"
-    train(data, smollm2, reference, **settings)
+    done = run_training(job(varied_data, smollm2, reference, **settings), varied_data[1].fingerprint,
+                        varied_data[2].fingerprint, in_process=True, callback=events.append)
+    assert done.steps == sum(per_epoch)
+    assert events[-1].done == events[-1].total == sum(per_epoch)  # the progress total is exact
+    train_log = [m for m in read_metrics(reference) if m["split"] == "train"]
+    assert [sum(m["epoch"] == e for m in train_log) for e in range(epochs)] == per_epoch  # log_every=1
+
     killed = tmp_path / "killed"
     killed.mkdir()
     job_file = killed / "job.json"
-    job_file.write_text(json.dumps(asdict(job(data, smollm2, killed, **settings))))
+    job_file.write_text(json.dumps(asdict(job(varied_data, smollm2, killed, **settings))))
     proc = subprocess.Popen([sys.executable, "-m", "tasks.train", "--job", str(job_file)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while not checkpoint_dirs(killed) and time.monotonic() < deadline:
-        time.sleep(0.1)
+        time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    resumed_from = checkpoint_dirs(killed)[-1].name
-    result = train(data, smollm2, killed, **settings)
+    resumed_from = int(checkpoint_dirs(killed)[-1].name.removeprefix("step-"))
+    assert resumed_from < per_epoch[0], "the kill came too late to resume across an epoch boundary"
+    result = run_training(job(varied_data, smollm2, killed, **settings), varied_data[1].fingerprint,
+                          varied_data[2].fingerprint, in_process=True)
     got, want = read_metrics(killed), read_metrics(reference)
-    assert [m["step"] for m in got] == [m["step"] for m in want]
+    assert [(m["split"], m["step"], m["epoch"] if "epoch" in m else None) for m in got] == \
+        [(m["split"], m["step"], m["epoch"] if "epoch" in m else None) for m in want]
     for a, b in zip(got, want, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (resumed_from, a["step"])
-    assert result.steps == want[-1]["step"]
+    assert result.steps == done.steps and result.best_step == done.best_step
+    assert result.simulated_acceptance_length == pytest.approx(done.simulated_acceptance_length, abs=1e-6)
 
 
 def test_two_process_ddp_matches_one_process_with_the_same_global_batch(data, smollm2, tmp_path):
