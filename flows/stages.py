@@ -125,7 +125,8 @@ def _prepare_key(ctx, p) -> str:
     c: PipelineConfig = p["config"]
     regenerate = ({**c.data.regenerate.model_dump(), "verifier": verifier_fingerprint(c.verifier.path)}
                   if c.data.regenerate.enabled else None)
-    fp = prepare_fingerprint(c.verifier.path, c.data.sources, c.data.max_rows, c.data.max_seq_len, regenerate)
+    fp = prepare_fingerprint(c.verifier.path, c.data.sources, c.data.max_rows, c.data.max_seq_len, regenerate,
+                             c.data.supervise_end_of_turn)
     return cache_key(ctx, fp, c.output_dir, modules=(tasks.prepare, tasks.chat_data, tasks.regenerate))
 
 
@@ -133,7 +134,7 @@ def _prepare_key(ctx, p) -> str:
 def prepare_task(config: PipelineConfig) -> PreparedData:
     sources, max_rows = regenerated_sources(config)  # the verifier's own answers, when enabled
     result = prepare(config.verifier.path, sources, config.output_dir, max_seq_len=config.data.max_seq_len,
-                     max_rows=max_rows)
+                     max_rows=max_rows, supervise_end_of_turn=config.data.supervise_end_of_turn)
     report = read_report(result.path)
     create_table_artifact(
         table=table({k: v for k, v in report.items() if k != "dropped_examples"}), key="prepare-report",

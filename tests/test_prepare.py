@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 
 from tasks.chat_data import Dropped, normalize, read_rows
-from tasks.prepare import PrepareError, load_prepared, prepare, read_report, tokenize_conversation
+from tasks.prepare import (
+    PrepareError,
+    end_of_turn_ids,
+    load_prepared,
+    prepare,
+    read_report,
+    tokenize_conversation,
+)
 
 
 def masked_runs(input_ids, loss_mask):
@@ -49,6 +56,19 @@ def test_masked_tokens_decode_to_exactly_the_assistant_texts(tokenizer, sharegpt
         assert decoded == answers, row_id
         multi_turn += len(answers) > 1
     assert multi_turn > 50  # the check covered real multi-turn conversations
+
+
+def test_end_of_turn_supervision_adds_exactly_the_token_closing_each_answer(tokenizer, smollm2, sharegpt):
+    end_of_turn = end_of_turn_ids(smollm2, tokenizer)
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in end_of_turn  # SmolLM2's ChatML end of turn
+    for row_id, messages in real_conversations(sharegpt, 100):
+        ids, plain, _ = tokenize_conversation(tokenizer, messages, max_seq_len=10**9)
+        same_ids, with_eot, _ = tokenize_conversation(tokenizer, messages, 10**9, end_of_turn)
+        assert same_ids == ids
+        added = [i for i, (a, b) in enumerate(zip(plain, with_eot)) if a != b]
+        assert all(plain[i] == 0 and with_eot[i] == 1 and ids[i] in end_of_turn for i in added), row_id
+        assert all(plain[i - 1] == 1 for i in added)  # right after an answer's last token
+        assert len(added) == sum(m["role"] == "assistant" for m in messages), row_id  # one per answer
 
 
 def test_template_tokens_are_never_supervised(tokenizer, sharegpt):

@@ -114,11 +114,15 @@ def test_regeneration_rewrites_answers_with_the_verifier_and_resumes(smollm2, sh
 
 
 def test_regeneration_with_vllm(smollm2, sharegpt, tmp_path):
-    settings = RegenerateSettings(enabled=True, backend="vllm", max_new_tokens=24, batch_size=8).model_dump()
+    settings = RegenerateSettings(enabled=True, backend="vllm", max_new_tokens=24, chunk_size=2, max_turns=1).model_dump()
     output = regenerate(RegenerateJob([sharegpt], 3, smollm2, str(tmp_path), 384, settings))
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["backend"] == "vllm" and report["assistant_turns"] > 0
     rows = [json.loads(line) for line in output.read_text().splitlines()]
     assert len(rows) == report["regenerated"] >= 2
+    # max_turns=1: each conversation ends with its first, regenerated answer
+    assert all([m["role"] for m in r["messages"]].count("assistant") == 1 for r in rows)
+    assert all(r["messages"][-1]["role"] == "assistant" for r in rows)
+    assert report["assistant_turns"] == len(rows)
     prepared = prepare(smollm2, [str(output)], tmp_path / "prep", max_seq_len=384)
     assert prepared.rows == len(rows)  # the regenerated conversations feed prepare directly
