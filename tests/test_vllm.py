@@ -77,7 +77,10 @@ def test_live_validation_measures_acceptance_and_keeps_outputs_lossless(trained_
     identical, prompts = map(int, result.identical_outputs.split("/"))
     assert prompts == 6 and identical >= 5  # speculative decoding must not change greedy outputs
     assert result.baseline_acceptance_length == pytest.approx(result.mean_acceptance_length, rel=0.05)
+    speeds = report["live"]["tokens_per_s"]
+    assert result.speedup == pytest.approx(speeds["with_draft"] / speeds["verifier_alone"], rel=1e-2)
     markdown = Path(result.report_markdown).read_text()
+    assert f"{result.speedup:.3f}" in markdown and "on a CPU" in markdown
     assert f"{result.mean_acceptance_length:.3f}" in markdown and "identical" in markdown
 
     # the same measured numbers, with the roles swapped: a baseline that accepts more is a regression

@@ -1,0 +1,168 @@
+"""Answer regeneration with transformers: generated tokens/s of three ways to run the same greedy
+generation of ShareGPT first turns, side by side in one process.
+
+    python bench/regenerate_speed.py --verifier DIR --data sharegpt.json [--prompts 2048 --max-new-tokens 512]
+
+- `dynamic`: what the pipeline did before: batches of --dynamic-rows prompts in file order, left
+  padded, transformers' default (dynamic) KV cache, no compilation; run on the first
+  --dynamic-prompts prompts only (it is slow).
+- `static`: the pipeline's `TransformersGenerator` (length-sorted fixed-shape batches over one
+  static KV cache, the decoding step compiled once with CUDA graphs).
+- `continuous`: transformers' continuous batching (`generate_batch`: paged KV cache, finished
+  rows refilled at once), with its default configuration.
+
+For each: the first call (compilation, CUDA graph capture, warm-up) is timed apart from the rest
+(steady state). Greedy outputs are compared with `dynamic` on the prompts both ran (bf16 batched
+generation flips near-ties, so a few differ). Prints one JSON line; `--out` also writes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tasks.chat_data import Dropped, normalize, read_rows  # noqa: E402
+from tasks.config import RegenerateSettings  # noqa: E402
+from tasks.regenerate import TransformersGenerator  # noqa: E402
+
+
+def first_turn_prompts(tokenizer, data: str, limit: int, max_prompt_len: int) -> list[list[int]]:
+    prompts = []
+    for row in read_rows([data]):
+        messages = row.data if isinstance(row.data, Dropped) else normalize(row.data)
+        if isinstance(messages, Dropped):
+            continue
+        answer = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), 0)
+        if not answer:
+            continue
+        ids = tokenizer.apply_chat_template(messages[:answer], add_generation_prompt=True, tokenize=True)["input_ids"]
+        if len(ids) < max_prompt_len:
+            prompts.append(ids)
+        if len(prompts) == limit:
+            break
+    return prompts
+
+
+def timed(generate, prompts: list[list[int]], warm: int, max_new_tokens: int) -> dict:
+    """The first `warm` prompts (compilation and warm-up) timed apart from the rest."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    t0 = time.perf_counter()
+    first = generate(prompts[:warm])
+    sync()
+    t1 = time.perf_counter()
+    rest = generate(prompts[warm:])
+    sync()
+    t2 = time.perf_counter()
+    outputs = first + rest
+    steady_tokens = sum(map(len, rest))
+    return {"prompts": len(prompts), "generated_tokens": sum(map(len, outputs)),
+            "first_call_s": round(t1 - t0, 1), "steady_s": round(t2 - t1, 1),
+            "steady_tokens_per_s": round(steady_tokens / (t2 - t1)) if rest else None,
+            "wall_tokens_per_s": round(sum(map(len, outputs)) / (t2 - t0)),
+            "answers_at_the_cap": sum(len(o) >= max_new_tokens for o in outputs), "outputs": outputs}
+
+
+def dynamic_generator(model, pad: int, rows: int, max_new_tokens: int):
+    def generate(prompts):
+        out = []
+        for start in range(0, len(prompts), rows):
+            batch = prompts[start: start + rows]
+            width = max(map(len, batch))
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=model.device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
+            with torch.inference_mode():
+                gen = model.generate(input_ids=ids, attention_mask=mask, pad_token_id=pad, do_sample=False,
+                                     max_new_tokens=max_new_tokens, disable_compile=True)
+            out += [[t for t in row if t != pad] for row in gen[:, width:].tolist()]
+        return out
+    return generate
+
+
+def continuous_generator(model, pad: int, eos: int, max_new_tokens: int):
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad)
+
+    def generate(prompts):
+        results = model.generate_batch(prompts, generation_config=config, persistent_manager=True)
+        outputs = list(results.values())
+        if len(outputs) != len(prompts) or any(o.error for o in outputs):
+            raise RuntimeError(f"continuous batching returned {len(outputs)} of {len(prompts)} results")
+        return [[t for t in o.generated_tokens if t != pad] for o in outputs]
+    return generate
+
+
+def identical_share(reference: list[list[int]], other: list[list[int]]) -> float:
+    pairs = list(zip(reference, other))
+    return round(sum(a == b for a, b in pairs) / len(pairs), 3)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--verifier", required=True)
+    p.add_argument("--data", required=True)
+    p.add_argument("--prompts", type=int, default=2048)
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--max-prompt-len", type=int, default=1024)
+    p.add_argument("--dynamic-prompts", type=int, default=512)
+    p.add_argument("--dynamic-rows", type=int, default=512)
+    p.add_argument("--variants", default="dynamic,static,continuous")
+    p.add_argument("--out")
+    a = p.parse_args()
+    n = a.max_new_tokens
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(a.verifier)
+    prompts = first_turn_prompts(tokenizer, a.data, a.prompts, a.max_prompt_len)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    results: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                     "torch": torch.__version__, "max_new_tokens": n,
+                     "prompt_tokens_mean": round(sum(map(len, prompts)) / len(prompts), 1)}
+    for variant in a.variants.split(","):
+        t0 = time.perf_counter()
+        if variant == "static":
+            settings = RegenerateSettings(max_new_tokens=n)
+            generator = TransformersGenerator(a.verifier, tokenizer, settings, a.max_prompt_len, False)
+            warm, generate, extra = generator.rows, generator, {"rows": generator.rows}
+        else:
+            model = AutoModelForCausalLM.from_pretrained(a.verifier, dtype=torch.bfloat16).to(device).eval()
+            if variant == "dynamic":
+                warm, generate, extra = a.dynamic_rows, dynamic_generator(model, pad, a.dynamic_rows, n), {}
+            else:
+                warm, generate, extra = 64, continuous_generator(model, pad, tokenizer.eos_token_id, n), {}
+        load_s = time.perf_counter() - t0
+        subset = prompts[: a.dynamic_prompts] if variant == "dynamic" else prompts
+        try:
+            results[variant] = {"load_s": round(load_s, 1), **extra, **timed(generate, subset, min(warm, len(subset)), n)}
+        except Exception as e:  # one variant failing must not lose the others' numbers
+            results[variant] = {"error": f"{type(e).__name__}: {e}"[:500]}
+        print(variant, {k: v for k, v in results[variant].items() if k != "outputs"}, flush=True)
+        del generate
+        torch.cuda.empty_cache() if device == "cuda" else None
+    reference = results.get("dynamic", {}).get("outputs")
+    for variant in ("static", "continuous"):
+        if reference and "outputs" in results.get(variant, {}):
+            results[variant]["identical_to_dynamic"] = identical_share(reference, results[variant]["outputs"])
+    rates = {v: results[v]["steady_tokens_per_s"] for v in ("dynamic", "static", "continuous")
+             if results.get(v, {}).get("steady_tokens_per_s")}
+    results["regenerate_tokens_per_s"] = rates.get("static")
+    if "dynamic" in rates:
+        results.update({f"{v}_vs_dynamic": round(r / rates["dynamic"], 2) for v, r in rates.items() if v != "dynamic"})
+    for v in ("dynamic", "static", "continuous"):
+        results.get(v, {}).pop("outputs", None)
+    line = json.dumps(results)
+    if a.out:
+        Path(a.out).write_text(line + "\n")
+    print(line)
+
+
+if __name__ == "__main__":
+    main()
