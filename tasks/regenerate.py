@@ -57,7 +57,15 @@ class RegenerateReport:
     failed: dict[str, int] = field(default_factory=dict)
     assistant_turns: int = 0
     generated_tokens: int = 0
-    generate_s: float = 0.0
+    generate_s: float = 0.0  # time inside the generator, the first chunk's compilation and warm-up included
+    first_chunk_s: float = 0.0  # the first chunk of this attempt (model load excluded), apart
+    first_chunk_tokens: int = 0
+
+    @property
+    def steady_tokens_per_s(self) -> float | None:
+        """Generated tokens/s after the first chunk (which holds compilation and CUDA graph capture)."""
+        s, n = self.generate_s - self.first_chunk_s, self.generated_tokens - self.first_chunk_tokens
+        return round(n / s, 1) if s > 0 and n > 0 else None
 
 
 def regenerate_fingerprint(job: RegenerateJob, sources_fp: str, verifier_fp: str) -> str:
@@ -87,8 +95,8 @@ class TransformersGenerator:
         self.torch, self.tokenizer, self.settings = torch, tokenizer, settings
         self.cuda = torch.cuda.is_available()
         self.model = AutoModelForCausalLM.from_pretrained(
-            verifier_path, dtype=torch.bfloat16, device_map="auto" if self.cuda else "cpu",
-            trust_remote_code=trust_remote_code).eval()
+            verifier_path, dtype=torch.bfloat16 if self.cuda else torch.float32,  # bf16 matmuls crawl on most CPUs
+            device_map="auto" if self.cuda else "cpu", trust_remote_code=trust_remote_code).eval()
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         cache_len = max_prompt_len + settings.max_new_tokens
         self.rows = settings.batch_size or (self._rows_that_fit(cache_len) if self.cuda else 16)
@@ -252,13 +260,17 @@ def run_regeneration(job: RegenerateJob) -> Path:
             append_lines(output, [{"id": row_id, "messages": m} for row_id, m in finished])
             append_lines(failures, [{"id": row_id, "reason": reason} for row_id, reason in failed.items()])
             report.regenerated += len(finished)
+            if start == 0:
+                report.first_chunk_s, report.first_chunk_tokens = report.generate_s, report.generated_tokens
             progress.update(len(chunk), note=f"{report.generated_tokens / max(report.generate_s, 1e-9):,.0f} "
                                              "generated tok/s")
         progress.close()
-    (out_dir / "report.json").write_text(json.dumps(asdict(report), indent=1))
-    log.info("regenerated %d of %d conversations with %s (%d assistant turns, %d tokens); failed %s",
+    (out_dir / "report.json").write_text(json.dumps(
+        {**asdict(report), "steady_tokens_per_s": report.steady_tokens_per_s}, indent=1))
+    log.info("regenerated %d of %d conversations with %s (%d assistant turns, %d tokens in %.0f s of generation; "
+             "steady state after the first chunk: %s generated tokens/s); failed %s",
              report.regenerated, report.conversations, report.backend or "nothing new", report.assistant_turns,
-             report.generated_tokens, report.failed or "none")
+             report.generated_tokens, report.generate_s, report.steady_tokens_per_s or "n/a", report.failed or "none")
     return output
 
 
