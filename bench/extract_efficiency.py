@@ -24,7 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tasks.demo_assets import ensure_asset  # noqa: E402
-from tasks.extract import ExtractionPlan, batches, extract_shards, plan_shards  # noqa: E402
+from tasks.extract_plan import ExtractionPlan, plan_shards  # noqa: E402
+from tasks.shard_writer import batches, extract_shards  # noqa: E402
 from tasks.hf_backend import TransformersBackend  # noqa: E402
 from tasks.prepare import load_prepared, prepare  # noqa: E402
 from tasks.verifier import inspect_verifier  # noqa: E402
@@ -86,7 +87,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="where shards go (default: a temporary folder on this disk)")
     a = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
-    logging.getLogger("tasks.extract").setLevel(logging.INFO)  # the writer's disk statistics
+    logging.getLogger("tasks.shard_writer").setLevel(logging.INFO)  # the writer's disk statistics
     device = "cuda" if torch.cuda.is_available() else "cpu"
     work = Path(a.out or tempfile.mkdtemp(prefix="extract-bench-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from extract_efficiency import LLAMA_8B, random_prepared  # noqa: E402
 from train_speed import TINY  # noqa: E402
 
-from tasks.extract import ExtractJob, ProgressFile, run_extraction  # noqa: E402
+from tasks.extract import ExtractJob, run_extraction  # noqa: E402
+from tasks.subprocess_runs import ProgressFile  # noqa: E402
 from tasks.train_data import read_manifest  # noqa: E402
 from tasks.train import TrainJob, read_metrics, run_training  # noqa: E402
 from tasks.vocab import build_vocab  # noqa: E402

@@ -31,7 +31,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tasks.extract import ExtractionPlan, extract_shards, plan_shards, write_manifest  # noqa: E402
+from tasks.extract import write_manifest  # noqa: E402
+from tasks.extract_plan import ExtractionPlan, plan_shards  # noqa: E402
+from tasks.shard_writer import extract_shards  # noqa: E402
 from tasks.prepare import load_prepared  # noqa: E402
 from tasks.shards import ShardReader  # noqa: E402
 from tasks.train import TrainJob, read_metrics, train_worker  # noqa: E402

@@ -35,10 +35,13 @@ from prefect.tasks import exponential_backoff
 import tasks.chat_data
 import tasks.draft_check
 import tasks.extract
+import tasks.extract_plan
 import tasks.hf_backend
 import tasks.prepare
 import tasks.regenerate
+import tasks.shard_writer
 import tasks.shards
+import tasks.subprocess_runs
 import tasks.train
 import tasks.train_data
 import tasks.validate
@@ -158,7 +161,8 @@ def _extract_key(ctx, p) -> str:
     c: PipelineConfig = p["config"]
     return cache_key(ctx, p["prepared"].fingerprint, verifier_fingerprint(c.verifier.path), c.verifier.dtype,
                      c.extract.model_dump(), c.output_dir,
-                     modules=(tasks.extract, tasks.shards, tasks.hf_backend))
+                     modules=(tasks.extract, tasks.extract_plan, tasks.shard_writer, tasks.shards,
+                              tasks.subprocess_runs, tasks.hf_backend))
 
 
 @task(name="extract", cache_key_fn=_extract_key, tags=["gpu"], **GPU_STAGE)
@@ -206,7 +210,7 @@ def _train_job(config: PipelineConfig, prepared: PreparedData, extracted: Extrac
 def _train_key(ctx, p) -> str:
     c: PipelineConfig = p["config"]
     return cache_key(ctx, p["extracted"].fingerprint, p["vocab"].fingerprint, c.train.model_dump(),
-                     c.output_dir, modules=(tasks.train, tasks.train_data))
+                     c.output_dir, modules=(tasks.train, tasks.train_data, tasks.subprocess_runs))
 
 
 @task(name="train", cache_key_fn=_train_key, tags=["gpu"], **GPU_STAGE)

@@ -27,7 +27,6 @@ import logging
 import os
 import random
 import shutil
-import subprocess
 import sys
 import time
 from contextlib import nullcontext
@@ -38,7 +37,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tasks.progress import Progress, ProgressCallback, ProgressEvent
+from tasks.progress import Progress, ProgressCallback
+from tasks.subprocess_runs import progress_file_callback, run_processes
 from tasks.train_data import (
     ShardDataset,
     StepBatches,
@@ -484,38 +484,20 @@ def run_training(job: TrainJob, manifest_fp: str, vocab_fp: str, *, in_process: 
         job_file.write_text(json.dumps(asdict(job)))
         result_file.unlink(missing_ok=True)
         progress_file = out_dir / "progress.jsonl"
-        progress_file.unlink(missing_ok=True)
         args = ["-m", "tasks.train", "--job", str(job_file), "--result", str(result_file),
                 "--progress-file", str(progress_file)]
         cmd = [sys.executable, *args] if s.nproc == 1 else [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={s.nproc}", *args]
-        follow_subprocess(cmd, progress_file, callback)
+        failed = run_processes([cmd], [progress_file], callback)
+        if failed:
+            raise RuntimeError(f"training process exited with {failed[0]}; the next attempt resumes from the last "
+                               "complete checkpoint")
         result = TrainResult(**json.loads(result_file.read_text()))
     return TrainResult(**{**asdict(result), "fingerprint": fingerprint})
 
 
-def follow_subprocess(cmd: list[str], progress_file: Path, callback: ProgressCallback | None) -> None:
-    proc = subprocess.Popen(cmd)
-    seen = 0
-    while proc.poll() is None:
-        time.sleep(2)
-        if callback is not None and progress_file.is_file():
-            lines = progress_file.read_text().splitlines()
-            for line in lines[seen:]:
-                try:
-                    callback(ProgressEvent(**json.loads(line)))
-                except (json.JSONDecodeError, TypeError):
-                    pass
-            seen = len(lines)
-    if proc.returncode != 0:
-        raise RuntimeError(f"training process exited with {proc.returncode}; the next attempt resumes from the "
-                           "last complete checkpoint")
-
-
 def main(argv: list[str] | None = None) -> int:
     """A training process: `python -m tasks.train --job JOB.json` (or under torchrun)."""
-    from tasks.extract import progress_file_callback
-
     p = argparse.ArgumentParser(prog="python -m tasks.train", description=main.__doc__)
     p.add_argument("--job", required=True)
     p.add_argument("--result")

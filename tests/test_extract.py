@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks.extract import ExtractError, ExtractJob, run_extraction
+from tasks.extract import ExtractJob, run_extraction
+from tasks.extract_plan import ExtractError
 from tasks.prepare import load_prepared, prepare
 from tasks.shards import Journal, ShardReader, read_metadata
 

@@ -1,0 +1,221 @@
+"""The extraction plan, made before any model loads: which shards the prepared rows cut into, their
+fingerprints, which are already on disk and valid, the bytes and time it will take, and whether
+the disk and host memory can hold it.
+
+- Shards are cut from the prepared rows in order, so appending data adds shards and leaves the
+  existing ones valid.
+- A shard's fingerprint covers the verifier, the layers, the dtypes and each sample's tokens: a
+  shard made from other inputs is never taken for this one. Existing shards are checked
+  (fingerprint, checksum) and skipped; damaged ones are redone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import torch
+import xxhash
+
+from tasks.progress import format_seconds
+from tasks.shards import SHARD_FORMAT, Journal, ShardError, ShardSpec, unchanged_since_journal, verify_shard
+from tasks.verifier import VerifierInfo, verifier_fingerprint
+
+log = logging.getLogger(__name__)
+
+STORAGE_DTYPE = torch.bfloat16
+BYTES_PER_VALUE = 2
+LAYERS_STORED = 4  # 3 auxiliary + the last
+WRITER_BUFFERS = 3  # shards in host memory per worker: one filling, two queued or being written
+
+
+class ExtractError(RuntimeError):
+    """Extraction cannot start or its output failed verification."""
+
+
+@dataclass
+class ExtractionPlan:
+    fingerprint: str  # of the extraction settings; each shard adds its samples
+    verifier: str
+    verifier_fingerprint: str
+    layers: list[int]  # aux ids then N
+    hidden_size: int
+    samples: int
+    tokens: int
+    shards: list[ShardSpec]
+    done: list[str] = field(default_factory=list)  # names of valid shards already on disk
+    stale_bytes: int = 0  # shard files in the folder that belong to other inputs
+    free_bytes: int = 0
+    est_seconds: float | None = None
+
+    @property
+    def bytes_total(self) -> int:
+        return self.tokens * LAYERS_STORED * self.hidden_size * BYTES_PER_VALUE
+
+    @property
+    def host_buffer_bytes(self) -> int:
+        """Host memory one worker's ShardWriter holds: its buffers, each the size of the largest shard."""
+        return WRITER_BUFFERS * max(s.tokens for s in self.shards) * LAYERS_STORED * self.hidden_size * BYTES_PER_VALUE
+
+    @property
+    def pending(self) -> list[ShardSpec]:
+        done = set(self.done)
+        return [s for s in self.shards if s.name not in done]
+
+    @property
+    def pending_tokens(self) -> int:
+        return sum(s.tokens for s in self.pending)
+
+    @property
+    def bytes_to_write(self) -> int:
+        return self.pending_tokens * LAYERS_STORED * self.hidden_size * BYTES_PER_VALUE
+
+    def summary(self) -> dict:
+        return {
+            "verifier": self.verifier,
+            "layers": self.layers,
+            "samples": self.samples,
+            "tokens": self.tokens,
+            "shards": len(self.shards),
+            "shards_done": len(self.done),
+            "tokens_to_extract": self.pending_tokens,
+            "bytes_total_gb": round(self.bytes_total / 1e9, 3),
+            "bytes_to_write_gb": round(self.bytes_to_write / 1e9, 3),
+            "free_disk_gb": round(self.free_bytes / 1e9, 1),
+            "stale_shards_gb": round(self.stale_bytes / 1e9, 3),
+            "host_buffers_gb_per_worker": round(self.host_buffer_bytes / 1e9, 2),
+            "estimated_time": format_seconds(self.est_seconds) if self.est_seconds is not None else "n/a",
+        }
+
+    def describe(self) -> str:
+        s = self.summary()
+        return (
+            f"extraction plan: {s['samples']:,} samples, {s['tokens']:,} tokens in {s['shards']} shards "
+            f"({s['shards_done']} already done); layers {s['layers']} of {self.verifier}\n"
+            f"  disk: {s['bytes_total_gb']} GB in all, {s['bytes_to_write_gb']} GB to write, "
+            f"{s['free_disk_gb']} GB free" + (f", {s['stale_shards_gb']} GB of stale shards" if self.stale_bytes else "")
+            + f"; host memory: {s['host_buffers_gb_per_worker']} GB of shard buffers per worker"
+            + f"\n  estimated time for {s['tokens_to_extract']:,} tokens: {s['estimated_time']} (rough: FLOPs of the "
+            "weights at 40% of this device's measured matmul rate; progress reports the real rate)"
+        )
+
+
+def extraction_fingerprint(verifier_fp: str, layers: list[int], compute_dtype: str) -> str:
+    parts = {"format": SHARD_FORMAT, "verifier": verifier_fp, "layers": layers,
+             "compute_dtype": compute_dtype, "storage_dtype": str(STORAGE_DTYPE)}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def plan_shards(prepared, extraction_fp: str, shard_tokens: int) -> list[ShardSpec]:
+    """Consecutive prepared rows, cut every `shard_tokens` tokens; inside a shard the rows are
+    ordered longest first, the order in which they are batched and stored."""
+    shards: list[ShardSpec] = []
+    rows: list[int] = []
+    h = xxhash.xxh3_128()
+    tokens = 0
+
+    def close() -> None:
+        nonlocal rows, tokens, h
+        order = sorted(rows, key=lambda r: (-lengths[r], r))
+        shards.append(ShardSpec(len(shards), tuple(order), tuple(sample_ids[r] for r in order), tokens,
+                                hashlib.sha256(f"{extraction_fp}:{h.hexdigest()}".encode()).hexdigest()))
+        rows, tokens, h = [], 0, xxhash.xxh3_128()
+
+    lengths = prepared["seq_len"]
+    sample_ids = prepared["sample_id"]
+    for r, ids in enumerate(prepared.with_format("numpy")["input_ids"]):
+        rows.append(r)
+        tokens += lengths[r]
+        h.update(sample_ids[r].encode() + b"\0")
+        h.update(ids.astype("int32").tobytes())
+        if tokens >= shard_tokens:
+            close()
+    if rows:
+        close()
+    return shards
+
+
+def make_plan(prepared, verifier: VerifierInfo, layers: list[int], out_dir: Path, *, compute_dtype: str,
+              shard_tokens: int, check_existing: bool = True) -> ExtractionPlan:
+    verifier_fp = verifier_fingerprint(verifier.path)
+    fp = extraction_fingerprint(verifier_fp, layers, compute_dtype)
+    shards = plan_shards(prepared, fp, shard_tokens)
+    plan = ExtractionPlan(fp, str(verifier.path), verifier_fp, layers, verifier.hidden_size, len(prepared),
+                          sum(s.tokens for s in shards), shards)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plan.free_bytes = shutil.disk_usage(out_dir).free
+    if check_existing:
+        plan.done, plan.stale_bytes = existing_shards(out_dir, shards)
+    plan.est_seconds = estimate_seconds(verifier, plan.pending_tokens, compute_dtype)
+    return plan
+
+
+def existing_shards(out_dir: Path, shards: list[ShardSpec]) -> tuple[list[str], int]:
+    """Names of planned shards on disk and valid, and the bytes of shard files of other inputs.
+    A shard unchanged since its journal line was verified when written; others are read in full."""
+    journal = Journal(out_dir).entries()
+    planned = {s.name: s for s in shards}
+    done = []
+    for spec in shards:
+        path = out_dir / spec.name
+        if not path.exists():
+            continue
+        if unchanged_since_journal(path, journal.get(spec.name)):
+            done.append(spec.name)
+            continue
+        try:
+            verify_shard(path, spec)
+            done.append(spec.name)
+        except ShardError as e:
+            log.warning("redoing %s", e)
+            path.unlink()
+    stale = sum(p.stat().st_size for p in out_dir.glob("shard-*.safetensors") if p.name not in planned)
+    return done, stale
+
+
+def estimate_seconds(verifier: VerifierInfo, tokens: int, compute_dtype: str) -> float | None:
+    """2 x parameters FLOPs per token at 40% of a matmul rate measured here in a fraction of a
+    second. An overestimate for MoE verifiers (only the active experts compute)."""
+    if not tokens:
+        return 0.0
+    bytes_per_param = {".gguf": 0.6}.get(Path(verifier.weight_files[0]).suffix, 2) if verifier.weight_files else 2
+    params = verifier.weight_bytes / bytes_per_param
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, compute_dtype) if device == "cuda" else torch.float32
+    n = 4096 if device == "cuda" else 1024
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    (a @ a).sum().item()  # warm-up
+    t0, reps = time.perf_counter(), 3
+    for _ in range(reps):
+        b = a @ a
+    b.sum().item()
+    flops = 2 * n**3 * reps / (time.perf_counter() - t0)
+    return 2 * params * tokens / (0.4 * flops)
+
+
+def check_disk(plan: ExtractionPlan, out_dir: Path, reserve_gb: float) -> None:
+    if plan.free_bytes < plan.bytes_to_write + reserve_gb * 1e9:
+        raise ExtractError(
+            f"not enough disk in {out_dir}: {plan.bytes_to_write / 1e9:.1f} GB to write + {reserve_gb} GB "
+            f"reserve > {plan.free_bytes / 1e9:.1f} GB free"
+            + (f" ({plan.stale_bytes / 1e9:.1f} GB are shards of other inputs: `eagle3-pipeline prune-shards "
+               f"{out_dir}` frees them)" if plan.stale_bytes else "")
+        )
+
+
+def check_host_memory(plan: ExtractionPlan, workers: int) -> None:
+    """Shard buffers are pinned on CUDA; pinning more than half the free memory starves the host
+    (and the verifier's own loading), so such a config is refused before any model loads."""
+    need, available = plan.host_buffer_bytes * workers, psutil.virtual_memory().available
+    if need > available / 2:
+        raise ExtractError(
+            f"shard buffers need {need / 1e9:.1f} GB of host memory ({workers} worker(s) x {WRITER_BUFFERS} "
+            f"shards of {plan.host_buffer_bytes / WRITER_BUFFERS / 1e9:.2f} GB), more than half of the "
+            f"{available / 1e9:.1f} GB available: lower extract.shard_tokens"
+        )

@@ -1,0 +1,157 @@
+"""Writing shards: a shard's rows in length-sorted batches through a loaded backend, the captured
+states assembled in host buffers and written by a background thread (format: tasks/shards.py).
+
+Device-to-host copies and file writes run on the background thread while the next batches
+compute, so the disk does not idle the accelerator (and vice versa).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from tasks.extract_plan import LAYERS_STORED, STORAGE_DTYPE, WRITER_BUFFERS, ExtractError, ExtractionPlan
+from tasks.progress import Progress, ProgressCallback
+from tasks.shards import Journal, ShardSpec, write_shard
+
+log = logging.getLogger(__name__)
+
+
+def batches(spec: ShardSpec, lengths, batch_tokens: int) -> list[list[int]]:
+    """Rows of a shard (longest first) grouped so that rows x longest <= batch_tokens."""
+    out: list[list[int]] = []
+    for r in spec.rows:
+        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= batch_tokens:
+            out[-1].append(r)
+        else:
+            out.append([r])
+    return out
+
+
+class ShardWriter:
+    """Assembles each shard in a host buffer and writes it on a background thread.
+
+    Captured states go from the device straight into the shard's buffer (pinned memory and a
+    copy stream on CUDA, so the copy overlaps the next forward). Three buffers: the next shards
+    compute while earlier ones are written; if the disk falls behind, `begin` waits, and the
+    time it waited is reported (`disk_wait_s`: a disk-bound extraction shows it here).
+    """
+
+    def __init__(self, out_dir: Path, max_tokens: int, hidden_size: int, device: str, metadata: dict[str, str]):
+        self.out_dir = out_dir
+        self.metadata = metadata
+        self.journal = Journal(out_dir)
+        self.cuda = device.startswith("cuda")
+        shape = (max_tokens, LAYERS_STORED, hidden_size)
+        self.free: queue.Queue = queue.Queue()
+        for _ in range(WRITER_BUFFERS):
+            self.free.put(torch.empty(shape, dtype=STORAGE_DTYPE, pin_memory=self.cuda))
+        self.disk_wait_s = self.write_s = 0.0
+        self.copy_stream = torch.cuda.Stream() if self.cuda else None
+        self.jobs: queue.Queue = queue.Queue()
+        self.error: BaseException | None = None
+        self.written: list[dict] = []
+        self.thread = threading.Thread(target=self._run, daemon=True, name="shard-writer")
+        self.thread.start()
+
+    def begin(self, spec: ShardSpec, input_ids: list[list[int]]) -> None:
+        self._raise_if_failed()
+        self.spec = spec
+        t0 = time.monotonic()
+        self.buffer = self.free.get()
+        self.disk_wait_s += time.monotonic() - t0
+        self.cursor = 0
+        self.finite = torch.ones((), dtype=torch.bool)
+        self.ids = input_ids
+
+    def add(self, states: torch.Tensor) -> None:
+        n = states.shape[0]
+        target = self.buffer[self.cursor: self.cursor + n]
+        if self.cuda:
+            self.finite = self.finite.to(states.device) & torch.isfinite(states).all()
+            self.copy_stream.wait_stream(torch.cuda.current_stream(states.device))
+            with torch.cuda.stream(self.copy_stream):
+                target.copy_(states, non_blocking=True)
+                states.record_stream(self.copy_stream)  # keep `states` alive until the copy ran
+        else:
+            self.finite &= torch.isfinite(states).all()
+            target.copy_(states)
+        self.cursor += n
+
+    def finish(self) -> None:
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        if self.cursor != self.spec.tokens:
+            raise ExtractError(f"shard {self.spec.index}: captured {self.cursor} tokens, planned {self.spec.tokens}")
+        self.jobs.put((self.spec, self.buffer, self.ids, self.finite, event))
+
+    def _run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            spec, buffer, ids, finite, event = job
+            t0 = time.monotonic()
+            try:
+                if event is not None:
+                    event.synchronize()
+                if not bool(finite):
+                    raise ExtractError(f"shard {spec.index}: non-finite hidden states (samples {spec.sample_ids[:3]}...)")
+                lengths = torch.tensor([0] + [len(x) for x in ids])
+                entry = write_shard(
+                    self.out_dir / spec.name, spec, buffer[: spec.tokens],
+                    torch.tensor([t for x in ids for t in x], dtype=torch.int32), lengths.cumsum(0), self.metadata,
+                )
+                self.journal.append(entry)
+                self.written.append(entry)
+            except BaseException as e:  # surfaced on the main thread by the next begin/close
+                self.error = e
+            finally:
+                self.write_s += time.monotonic() - t0
+                self.free.put(buffer)
+
+    def _raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.thread.join()
+        self._raise_if_failed()
+
+
+def extract_shards(shards: list[ShardSpec], plan: ExtractionPlan, prepared, out_dir: Path, backend, *,
+                   batch_tokens: int, label: str = "extract", callback: ProgressCallback | None = None) -> list[dict]:
+    """Capture and write `shards` with a loaded backend; returns their journal lines."""
+    for spec in shards:  # partial files of an earlier, killed attempt at these shards
+        for partial in out_dir.glob(f".tmp-{spec.name}.*"):
+            partial.unlink(missing_ok=True)
+    lengths = prepared["seq_len"]
+    all_ids = prepared["input_ids"]
+    metadata = {"layers": json.dumps(plan.layers), "hidden_size": str(plan.hidden_size),
+                "extraction_fingerprint": plan.fingerprint, "verifier": plan.verifier}
+    writer = ShardWriter(out_dir, max(s.tokens for s in shards), plan.hidden_size, backend.device, metadata)
+    progress = Progress(label, sum(s.tokens for s in shards), "tok", callback)
+    try:
+        for spec in shards:
+            ids = [all_ids[r] for r in spec.rows]
+            writer.begin(spec, ids)
+            position = {r: i for i, r in enumerate(spec.rows)}
+            for batch in batches(spec, lengths, batch_tokens):
+                writer.add(backend.capture([ids[position[r]] for r in batch]))
+                progress.update(sum(lengths[r] for r in batch), note=f"shard {spec.index + 1}/{len(plan.shards)}")
+            writer.finish()
+        t_last_batch = time.monotonic()
+    finally:
+        writer.close()
+        progress.close()
+    written_gb = sum(e["size"] for e in writer.written) / 1e9
+    log.info("writer: %.2f GB in %.1f s of writing (%.2f GB/s); computing waited %.1f s for the disk; "
+             "the last shard's write took %.1f s after the last batch", written_gb, writer.write_s,
+             written_gb / max(writer.write_s, 1e-9), writer.disk_wait_s, time.monotonic() - t_last_batch)
+    return writer.written
