@@ -43,7 +43,9 @@ def answer_mtbench(verifier: str, questions: str, out: Path, max_new_tokens: int
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(verifier)
-    model = AutoModelForCausalLM.from_pretrained(verifier, dtype=torch.bfloat16).to("cuda" if torch.cuda.is_available() else "cpu").eval()
+    cuda = torch.cuda.is_available()
+    model = AutoModelForCausalLM.from_pretrained(verifier, dtype=torch.bfloat16 if cuda else torch.float32
+                                                 ).to("cuda" if cuda else "cpu").eval()
     turns = [json.loads(line)["turns"][0] for line in Path(questions).read_text().splitlines() if line.strip()]
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                              tokenize=True)["input_ids"] for t in turns]

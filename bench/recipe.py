@@ -1,0 +1,134 @@
+"""Recipe ablations: variants of the draft's training side by side on one extraction, scored by the
+simulated acceptance length (k=3) on the verifier's own answers to the MT-Bench first turns.
+
+    python bench/recipe.py TRAIN_DIR --steps 1000 --variant base --variant ttt7 train.ttt_steps=7 \
+        --variant lr1e-3 train.lr=1e-3 --variant no-eot data.supervise_end_of_turn=false \
+        --conversations RUN/regenerated/FP/conversations.jsonl --mtbench question.jsonl --out OUT
+
+TRAIN_DIR is the train stage's folder of a finished pipeline run (`<output_dir>/train/<fp>/`): its
+`job.json` names the run's prepared data, extraction, vocabulary and settings, which every variant
+reuses (nothing is re-extracted; a `data.*` override re-prepares --conversations, the run's own chat
+data, with that setting: only loss masks may differ, the tokens and so the hidden states are the
+same). A variant is the run's train settings with its overrides and
+--steps optimizer steps (cosine schedule over those steps), trained in its own process; all variants
+train at once on the one GPU (a small draft leaves it underused). Reported per variant, and for the
+run's own draft: the held-out validation curve (simulated acceptance length with k=3 against step,
+from the training's own validation log, whatever its ttt_steps) and the final draft's simulated
+acceptance length on the verifier's greedy answers to the MT-Bench first turns. With --return, the
+run's draft is also written to OUT in files under 16 MiB for bench/validate_returned_draft.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.acceptance import answer_mtbench, split_for_return  # noqa: E402
+from flows.cli import parse_overrides  # noqa: E402
+from tasks.config import TrainSettings  # noqa: E402
+from tasks.extract import ExtractJob, run_extraction  # noqa: E402
+from tasks.prepare import prepare  # noqa: E402
+from tasks.train import TrainJob, evaluate_draft, read_metrics, run_training, simulated_acceptance_length  # noqa: E402
+
+K = 3  # vLLM's num_speculative_tokens in the validation stage
+
+
+def validation_curve(train_dir: Path) -> list[tuple[int, float]]:
+    """(step, simulated acceptance length with k=3) of each held-out validation in a training log."""
+    return [(m["step"], round(simulated_acceptance_length(m, K), 4))
+            for m in read_metrics(train_dir) if m["split"] == "val"]
+
+
+def mtbench_set(verifier: str, questions: str, work: Path, max_seq_len: int, answer_tokens: int):
+    """The verifier's greedy MT-Bench answers, prepared and extracted: the scoring set."""
+    answers = answer_mtbench(verifier, questions, work, answer_tokens)
+    prepared = prepare(verifier, [str(answers)], work / "mtbench", max_seq_len=max_seq_len)
+    extracted = run_extraction(ExtractJob(prepared.path, prepared.fingerprint, verifier, str(work / "mtbench-hs"),
+                                          settings={"reserve_disk_gb": 1}), in_process=True)
+    return prepared, extracted
+
+
+def score(draft: Path, scoring) -> dict:
+    prepared, extracted = scoring
+    metrics = evaluate_draft(draft, extracted.manifest, prepared.path, ttt_steps=K)
+    return {"mtbench_simulated_acceptance_length": round(simulated_acceptance_length(metrics, K), 4),
+            **{k: round(v, 4) for k, v in metrics.items() if k.startswith("cond_acc")}}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("train_dir", type=Path)
+    p.add_argument("--variant", nargs="+", action="append", default=[], metavar=("NAME", "KEY=VALUE"),
+                   help="a variant: its name, then train.<setting>=<value> overrides (repeatable)")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--eval-every", type=int, default=250)
+    p.add_argument("--loader-workers", type=int, default=2)
+    p.add_argument("--conversations", help="the run's chat data (for variants with data.* overrides)")
+    p.add_argument("--max-seq-len", type=int, default=1024, help="the run's data.max_seq_len")
+    p.add_argument("--mtbench", required=True, help="MT-Bench question.jsonl")
+    p.add_argument("--answer-tokens", type=int, default=256)
+    p.add_argument("--work", type=Path, default=Path("/tmp/recipe-bench"))
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--return", dest="return_draft", action="store_true",
+                   help="also write the run's draft to OUT in parts under 16 MiB")
+    a = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    a.out.mkdir(parents=True, exist_ok=True)
+    run = TrainJob(**json.loads((a.train_dir / "job.json").read_text()))
+    t0 = time.perf_counter()
+
+    def train(name: str, overrides: list[str]):
+        extra = parse_overrides(overrides)
+        prepared_path = run.prepared_path
+        if extra.get("data"):  # same rows and tokens, other loss masks
+            if not a.conversations:
+                raise SystemExit(f"variant {name} overrides data settings: give --conversations")
+            prepared_path = prepare(run.verifier_path, [a.conversations], a.work / name, max_seq_len=a.max_seq_len,
+                                    **extra["data"]).path
+        settings = TrainSettings.model_validate({**run.settings, **extra.get("train", {}), "max_steps": a.steps,
+                                                 "epochs": 1000, "eval_every": a.eval_every,
+                                                 "loader_workers": a.loader_workers})
+        job = TrainJob(**{**asdict(run), "prepared_path": prepared_path, "out_dir": str(a.work / "variants" / name),
+                          "settings": settings.model_dump()})
+        t = time.perf_counter()
+        result = run_training(job, "", "")
+        return {"overrides": extra, "steps": result.steps, "best_step": result.best_step,
+                "steady_tokens_per_s": result.steady_tokens_per_s, "train_s": round(time.perf_counter() - t, 1),
+                "validation_curve": validation_curve(Path(job.out_dir)), "draft": result.draft_path}
+
+    with ThreadPoolExecutor(max(len(a.variant), 1)) as pool:
+        futures = {v[0]: pool.submit(train, v[0], v[1:]) for v in a.variant}
+        scoring = mtbench_set(run.verifier_path, a.mtbench, a.work, 2048, a.answer_tokens)
+        variants = {name: f.result() for name, f in futures.items()}
+    variants_s = round(time.perf_counter() - t0, 1)
+
+    results = {"run": {"settings": run.settings, "validation_curve": validation_curve(a.train_dir),
+                       **score(a.train_dir / "draft", scoring)}}
+    for name, v in variants.items():
+        results[name] = {**v, **score(Path(v.pop("draft")), scoring)}
+    summary = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+               "torch": torch.__version__, "steps": a.steps, "variants_wall_s": variants_s,
+               "mtbench_answers": scoring[0].rows, "results": results}
+    if a.return_draft:
+        summary["draft_parts"] = split_for_return(a.train_dir / "draft", a.out)
+        (a.out / "acceptance.json").write_text(json.dumps(  # what bench/validate_returned_draft.py reads
+            {"ours": {"simulated_acceptance_length": results["run"]["mtbench_simulated_acceptance_length"]}}))
+    (a.out / "recipe.json").write_text(json.dumps(summary, indent=1))
+    print(f"{'variant':<12} {'MT-Bench sim tau':>16}  validation curve (step: tau, k={K})")
+    for name, r in results.items():
+        curve = ", ".join(f"{s}: {t:.3f}" for s, t in r["validation_curve"][-6:])
+        print(f"{name:<12} {r['mtbench_simulated_acceptance_length']:>16.4f}  {curve}")
+
+
+if __name__ == "__main__":
+    main()
