@@ -84,6 +84,7 @@ def main() -> None:
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     a.out.mkdir(parents=True, exist_ok=True)
+    a.work.mkdir(parents=True, exist_ok=True)
     run = TrainJob(**json.loads((a.train_dir / "job.json").read_text()))
     t0 = time.perf_counter()
 
