@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from tasks.errors import PermanentError
+
 ROLE_ALIASES = {
     "system": "system",
     "human": "user",
@@ -25,6 +27,10 @@ ROLE_ALIASES = {
     "model": "assistant",
 }
 DATA_SUFFIXES = (".json", ".jsonl")
+
+
+class DataSourceNotFound(PermanentError, FileNotFoundError):
+    """A configured data source does not exist."""
 
 
 @dataclass(frozen=True)
@@ -44,7 +50,7 @@ def source_files(source: str) -> list[Path]:
     a `datasets` folder is one source file."""
     path = Path(source)
     if not path.exists():
-        raise FileNotFoundError(f"data source not found: {source}")
+        raise DataSourceNotFound(f"data source not found: {source}")
     if path.is_dir() and not (path / "dataset_info.json").is_file() and not (path / "state.json").is_file():
         # A drop folder may be empty until data arrives; with no data anywhere, prepare says so.
         return sorted(p for p in path.rglob("*") if p.suffix in DATA_SUFFIXES and p.is_file())

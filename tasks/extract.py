@@ -39,7 +39,7 @@ from tasks.extract_plan import (
 from tasks.progress import ProgressCallback, ProgressEvent
 from tasks.shard_writer import extract_shards
 from tasks.shards import SHARD_FORMAT, Journal, fsync_dir, read_metadata, unchanged_since_journal, verify_shard
-from tasks.subprocess_runs import progress_file_callback, run_processes
+from tasks.subprocess_runs import progress_file_callback, reporting_errors, run_processes
 from tasks.verifier import VerifierInfo, inspect_verifier
 
 log = logging.getLogger(__name__)
@@ -265,7 +265,8 @@ def run_extraction(job: ExtractJob, *, in_process: bool = False, callback: Progr
 def run_worker_processes(job: ExtractJob, workers: int, callback: ProgressCallback | None) -> None:
     """`workers` subprocesses (`python -m tasks.extract`), each its own GPUs; their progress
     files are followed and merged into one report. A crash, OOM or CUDA abort fails this call,
-    not the caller's process, and the shards already written stay valid for the retry."""
+    not the caller's process, and the shards already written stay valid for the retry; a
+    worker's exception is raised here as it was raised there (tasks/subprocess_runs.py)."""
     out_dir = Path(job.out_dir)
     progress_dir = out_dir / "progress"
     progress_dir.mkdir(parents=True, exist_ok=True)
@@ -286,9 +287,7 @@ def run_worker_processes(job: ExtractJob, workers: int, callback: ProgressCallba
                          "--world-size", str(workers), "--progress-file", str(progress_file)])
         envs.append(env)
         progress_files.append(progress_file)
-    failed = run_processes(commands, progress_files, callback, envs)
-    if failed:
-        raise ExtractError(f"extraction workers failed (rank: exit code) {failed}; finished shards are kept")
+    run_processes(commands, progress_files, callback, envs, label="extraction worker")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     job = ExtractJob(**json.loads(Path(a.job).read_text()))
     if "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    run_worker(job, a.rank, a.world_size, progress_file_callback(a.progress_file) if a.progress_file else None)
+    with reporting_errors(a.progress_file):
+        run_worker(job, a.rank, a.world_size, progress_file_callback(a.progress_file) if a.progress_file else None)
     return 0
 
 

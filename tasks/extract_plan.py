@@ -23,6 +23,7 @@ import psutil
 import torch
 import xxhash
 
+from tasks.errors import PermanentError
 from tasks.progress import format_seconds
 from tasks.shards import SHARD_FORMAT, Journal, ShardError, ShardSpec, unchanged_since_journal, verify_shard
 from tasks.verifier import VerifierInfo, verifier_fingerprint
@@ -35,7 +36,7 @@ LAYERS_STORED = 4  # 3 auxiliary + the last
 WRITER_BUFFERS = 3  # shards in host memory per worker: one filling, two queued or being written
 
 
-class ExtractError(RuntimeError):
+class ExtractError(PermanentError, RuntimeError):
     """Extraction cannot start or its output failed verification."""
 
 

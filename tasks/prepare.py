@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tasks.chat_data import Dropped, normalize, read_rows, source_files
+from tasks.errors import PermanentError
 from tasks.verifier import tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 PREPARE_FORMAT = "prepare-v1"
 
 
-class PrepareError(ValueError):
+class PrepareError(PermanentError, ValueError):
     """Prepare cannot start; nothing has been written."""
 
 
