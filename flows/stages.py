@@ -34,6 +34,7 @@ from prefect.logging import get_run_logger
 from prefect.tasks import exponential_backoff
 
 import tasks.chat_data
+import tasks.chat_template
 import tasks.draft_check
 import tasks.extract
 import tasks.extract_plan
@@ -144,7 +145,8 @@ def _prepare_key(ctx, p) -> str:
                   if c.data.regenerate.enabled else None)
     fp = prepare_fingerprint(c.verifier.path, c.data.sources, c.data.max_rows, c.data.max_seq_len, regenerate,
                              c.data.supervise_end_of_turn)
-    return cache_key(ctx, fp, c.output_dir, modules=(tasks.prepare, tasks.chat_data, tasks.regenerate))
+    return cache_key(ctx, fp, c.output_dir,
+                     modules=(tasks.prepare, tasks.chat_data, tasks.chat_template, tasks.regenerate))
 
 
 @task(name="prepare", cache_key_fn=_prepare_key, retries=1, retry_delay_seconds=5, **RETRY_TRANSIENT)
