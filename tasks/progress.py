@@ -33,6 +33,8 @@ class ProgressEvent:
         return min(1.0, self.done / self.total) if self.total else 1.0
 
     def describe(self) -> str:
+        if not self.unit:  # a step without countable units (an engine starting): how long it has run
+            return f"{self.stage}: {format_seconds(self.elapsed_s)} elapsed" + (f" ({self.note})" if self.note else "")
         rate = f", {number(self.rate)} {self.unit}/s" if self.rate else ""
         eta = f", ETA {format_seconds(self.eta_s)}" if self.eta_s is not None else ""
         note = f" ({self.note})" if self.note else ""
@@ -96,15 +98,50 @@ class Progress:
             self._bar.close()
 
 
-class LoadMonitor:
+class Heartbeat:
+    """A log line (and a callback event) every `every_s` while a step without countable units runs,
+    and one when it ends: a minute of silence is indistinguishable from a hang."""
+
+    def __init__(self, stage: str, callback: ProgressCallback | None = None, every_s: float = 10.0):
+        self.stage, self.callback, self.every_s = stage, callback, every_s
+        self._stop = threading.Event()
+
+    def event(self, elapsed: float, final: bool | None) -> ProgressEvent:
+        """`final`: None while running, True when the step succeeded, False when it failed."""
+        note = {None: "", True: "done", False: "failed"}[final]
+        return ProgressEvent(self.stage, 0, 0, "", None, None, elapsed, note)
+
+    def _report(self, final: bool | None = None) -> None:
+        ev = self.event(time.monotonic() - self._t0, final)
+        log.info("%s", ev.describe())
+        if self.callback is not None:
+            self.callback(ev)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self._report()
+
+    def __enter__(self):
+        self._t0 = time.monotonic()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="heartbeat")
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._report(final=exc[0] is None)
+
+
+class LoadMonitor(Heartbeat):
     """Logs while a model loads: elapsed time, bytes read from disk, bytes materialized (GPU
     memory allocated, or resident memory on CPU) against the size of the weight files. A
     22-minute load with nothing in the log is indistinguishable from a hang."""
 
     def __init__(self, what: str, weight_bytes: int, callback: ProgressCallback | None = None,
                  every_s: float = 10.0):
-        self.what, self.weight_bytes, self.callback, self.every_s = what, weight_bytes, callback, every_s
-        self._stop = threading.Event()
+        super().__init__(f"load {what}", callback, every_s)
+        self.what, self.weight_bytes = what, weight_bytes
         self._proc = psutil.Process()
 
     def _read_bytes(self) -> int:
@@ -120,30 +157,13 @@ class LoadMonitor:
             return sum(torch.cuda.memory_allocated(d) for d in range(torch.cuda.device_count()))
         return max(0, self._proc.memory_info().rss - self._rss0)
 
-    def _report(self, final: bool = False) -> None:
-        elapsed = time.monotonic() - self._t0
+    def event(self, elapsed: float, final: bool | None) -> ProgressEvent:
         read = self._read_bytes() - self._read0
-        done = self._materialized()
-        ev = ProgressEvent(f"load {self.what}", done / 1e9, self.weight_bytes / 1e9, "GB", None, None, elapsed,
-                           note=f"{read / 1e9:.1f} GB read from disk" + (", done" if final else ""))
-        log.info("%s", ev.describe())
-        if self.callback is not None:
-            self.callback(ev)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.every_s):
-            self._report()
+        return ProgressEvent(self.stage, self._materialized() / 1e9, self.weight_bytes / 1e9, "GB", None, None, elapsed,
+                             note=f"{read / 1e9:.1f} GB read from disk" + (", done" if final else ""))
 
     def __enter__(self) -> LoadMonitor:
-        self._t0 = time.monotonic()
         self._read0 = self._read_bytes()
         self._rss0 = self._proc.memory_info().rss
         log.info("loading %s: %d weight bytes (%.1f GB)", self.what, self.weight_bytes, self.weight_bytes / 1e9)
-        self._thread = threading.Thread(target=self._run, daemon=True, name="load-monitor")
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._report(final=exc[0] is None)
+        return super().__enter__()

@@ -10,6 +10,8 @@ one, to `callback`. When a process fails, it raises:
   a stage's retry condition skips retries of what cannot change;
 - `WorkerLost` (transient) for a process that died without reporting one (killed by the OOM killer
   or a signal, a segfault, a CUDA abort).
+With `logs`, each process's output goes to its own file instead of this process's stdout/stderr,
+and the exception's notes hold its last lines.
 
 The worker, `python -m <module>` with its progress file:
 
@@ -149,23 +151,65 @@ def read_errors(progress_file: Path) -> list[dict]:
     return records
 
 
-def exit_description(code: int) -> str:
+def exit_description(code: int, logged: bool = False) -> str:
     if code < 0:
         name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
         why = " (the kernel's OOM killer sends it when memory runs out)" if -code == signal.SIGKILL else ""
         return f"was killed by {name}{why}"
-    return f"exited with code {code} without reporting an exception (see its output above)"
+    return f"exited with code {code} without reporting an exception" + ("" if logged else " (see its output above)")
+
+
+def output_tail(path: Path, lines: int = 25) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.is_file() else ""
 
 
 def run_processes(commands: list[list[str]], progress_files: list[Path], callback: ProgressCallback | None,
-                  envs: list[dict[str, str]] | None = None, poll_s: float = 2.0, label: str = "worker") -> None:
+                  envs: list[dict[str, str]] | None = None, poll_s: float = 2.0, label: str = "worker",
+                  logs: list[Path] | None = None) -> None:
     """Run one process per command (with its env, or this one's), each writing progress to its
     file, and wait for all, passing their merged progress to `callback` whenever it changes.
+    A process's output goes to its file in `logs` if given (else to this one's stdout/stderr).
     Raises if any failed (module docstring): the first reported exception, else `WorkerLost`."""
     for path in progress_files:  # files left by an earlier attempt would report its progress and errors
         path.unlink(missing_ok=True)
         errors_file(path).unlink(missing_ok=True)
-    procs = [subprocess.Popen(cmd, env=envs[i] if envs else None) for i, cmd in enumerate(commands)]
+    outputs = [log.open("w") for log in logs] if logs else [None] * len(commands)
+    try:
+        procs = [subprocess.Popen(cmd, env=envs[i] if envs else None, stdout=outputs[i],
+                                  stderr=subprocess.STDOUT if outputs[i] else None) for i, cmd in enumerate(commands)]
+        follow(procs, progress_files, callback, poll_s)
+    finally:
+        for f in outputs:
+            if f is not None:
+                f.close()
+    failed = {i: p.returncode for i, p in enumerate(procs) if p.returncode != 0}
+    if failed:
+        raise worker_failure(failed, progress_files, label, logs)
+
+
+def worker_failure(failed: dict[int, int], progress_files: list[Path], label: str, logs: list[Path] | None
+                   ) -> Exception:
+    """The exception for failed processes: the first one a worker reported, else `WorkerLost`."""
+    i, code = next(iter(failed.items()))
+    records = [(j, r) for j in failed for r in sorted(read_errors(progress_files[j]), key=lambda r: r["rank"])]
+    if records:
+        i, record = records[0]
+        exc = rebuild(record)
+        exc.add_note(f"raised in {label} {record['rank']} (pid {record['pid']}); its traceback:\n"
+                     + record["traceback"].rstrip())
+    else:
+        others = f" ({len(failed) - 1} more failed)" if len(failed) > 1 else ""
+        where = f" (its output: {logs[i]})" if logs else ""
+        exc = WorkerLost(f"{label} {i} {exit_description(code, logs is not None)}{where}{others}; a retry resumes "
+                         "from what is on disk")
+    if logs:
+        exc.add_note(f"the last lines of its output ({logs[i]}):\n{output_tail(logs[i])}")
+    return exc
+
+
+def follow(procs: list[subprocess.Popen], progress_files: list[Path], callback: ProgressCallback | None,
+           poll_s: float) -> None:
+    """Until every process has exited, pass their merged progress to `callback` when it changes."""
     followers = [ProgressFile(path) for path in progress_files]
     last = None
     while True:
@@ -177,15 +221,3 @@ def run_processes(commands: list[list[str]], progress_files: list[Path], callbac
         if not running:
             break  # read once more after the last exit: the workers' final events
         time.sleep(poll_s)
-    failed = {i: p.returncode for i, p in enumerate(procs) if p.returncode != 0}
-    if not failed:
-        return
-    for i in failed:
-        for record in sorted(read_errors(progress_files[i]), key=lambda r: r["rank"]):
-            exc = rebuild(record)
-            exc.add_note(f"raised in {label} {record['rank']} (pid {record['pid']}); its traceback:\n"
-                         + record["traceback"].rstrip())
-            raise exc
-    i, code = next(iter(failed.items()))
-    others = f" ({len(failed) - 1} more failed)" if len(failed) > 1 else ""
-    raise WorkerLost(f"{label} {i} {exit_description(code)}{others}; a retry resumes from what is on disk")
