@@ -183,9 +183,9 @@ def _extract_key(ctx, p) -> str:
 
 @task(name="extract", cache_key_fn=_extract_key, tags=["gpu"], **GPU_STAGE)
 def extract_task(config: PipelineConfig, prepared: PreparedData) -> ExtractResult:
-    def show_plan(plan) -> None:
+    def show_plan(plan) -> None:  # again once the first batches corrected the estimate: the latest version shows
         create_table_artifact(table=table(plan.summary()), key="extraction-plan",
-                              description=plan.describe().splitlines()[0])
+                              description=f"{plan.describe().splitlines()[0]}; estimated time {plan.estimate_text()}")
 
     result = run_extraction(_extract_job(config, prepared), on_plan=show_plan,
                             callback=ProgressArtifact("hidden-state extraction"))

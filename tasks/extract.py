@@ -6,6 +6,7 @@ resumable, fingerprinted shards (format: tasks/shards.py).
 
 - The plan (tasks/extract_plan.py) comes first, before any model loads: tokens, bytes on disk, an
   estimated time, the free disk; it refuses to start when the disk or host memory cannot hold it.
+  The estimate is corrected (and logged, planned vs measured) from the first measured batches.
 - Shard i belongs to worker i % world_size: several processes, GPUs or machines fill one folder
   without coordination. Worker processes run `python -m tasks.extract` (tasks/subprocess_runs.py
   launches and follows them); each writes its shards with tasks/shard_writer.py.
@@ -206,7 +207,9 @@ def run_worker(job: ExtractJob, rank: int = 0, world_size: int = 1,
 def run_extraction(job: ExtractJob, *, in_process: bool = False, callback: ProgressCallback | None = None,
                    on_plan=None) -> ExtractResult:
     """The whole stage: plan (refusing if the disk cannot hold it), extract the pending shards
-    with `settings.workers` worker processes (or here, `in_process`), verify, write the manifest."""
+    with `settings.workers` worker processes (or here, `in_process`), verify, write the manifest.
+    `on_plan(plan)` is called with the plan before any model loads, and again once the first
+    measured batches have corrected its time estimate."""
     t0 = time.monotonic()
     s = job.extract_settings
     out_dir = Path(job.out_dir)
@@ -225,6 +228,8 @@ def run_extraction(job: ExtractJob, *, in_process: bool = False, callback: Progr
     def remember(event: ProgressEvent) -> None:
         if event.stage.startswith("extract"):
             last[:] = [event]
+            if plan.calibrate(event) and on_plan is not None:
+                on_plan(plan)  # the plan again, with the measured estimate
         if callback is not None:
             callback(event)
 

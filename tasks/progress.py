@@ -9,6 +9,7 @@ import logging
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,7 +24,7 @@ class ProgressEvent:
     done: float
     total: float
     unit: str
-    rate: float | None  # units per second, measured since the first unit
+    rate: float | None  # units per second, over the later half of the time since the first unit
     eta_s: float | None
     elapsed_s: float
     note: str = ""
@@ -62,7 +63,9 @@ class Progress:
         self.log_every_s = log_every_s
         self.start = time.monotonic()
         self.done = done
-        self._rate_start: tuple[float, float] | None = None  # (time, done) when measuring began
+        self._rate_start: float | None = None  # when measuring began: after the first unit
+        self._samples: deque[tuple[float, float]] = deque()  # (time, done) since then, thinned to one a second
+        self._first_estimate: tuple[float, float] | None = None  # (done, elapsed + ETA) of the first ETA given
         self._last_log = 0.0
         self._bar = None
         if sys.stderr.isatty():
@@ -70,22 +73,36 @@ class Progress:
 
             self._bar = tqdm(total=total, initial=done, unit=unit, desc=stage, unit_scale=True, dynamic_ncols=True)
 
+    def rate(self, now: float) -> float | None:
+        """Units per second over the later half of the time measured so far: a slow start
+        (allocation, compilation, caches) fades out of the estimate instead of weighing on it
+        to the end, and a long run averages over many periods (validation and checkpoints included)."""
+        if self._rate_start is None or now <= self._rate_start:
+            return None
+        cut = self._rate_start + (now - self._rate_start) / 2
+        while len(self._samples) > 1 and self._samples[1][0] <= cut:
+            self._samples.popleft()
+        t, done = self._samples[0]
+        return (self.done - done) / (now - t) if now > t else None
+
     def event(self, note: str = "") -> ProgressEvent:
         now = time.monotonic()
-        rate = eta = None
-        if self._rate_start is not None and now > self._rate_start[0]:
-            rate = (self.done - self._rate_start[1]) / (now - self._rate_start[0])
-            eta = (self.total - self.done) / rate if rate > 0 else None
+        rate = self.rate(now)
+        eta = (self.total - self.done) / rate if rate else None
+        if eta is not None and self._first_estimate is None and self.done < self.total:
+            self._first_estimate = (self.done, now - self.start + eta)
         return ProgressEvent(self.stage, self.done, self.total, self.unit, rate, eta, now - self.start, note)
 
     def update(self, n: float, note: str = "", force: bool = False) -> None:
+        now = time.monotonic()
+        self.done += n
         if self._rate_start is None:
             # The first unit includes warm-up (allocation, compilation): rates start after it.
-            self._rate_start = (time.monotonic(), self.done + n)
-        self.done += n
+            self._rate_start = now
+        if not self._samples or now - self._samples[-1][0] >= 1.0:  # one sample a second is plenty
+            self._samples.append((now, self.done))
         if self._bar is not None:
             self._bar.update(n)
-        now = time.monotonic()
         if force or now - self._last_log >= self.log_every_s or self.done >= self.total:
             self._last_log = now
             ev = self.event(note)
@@ -94,8 +111,14 @@ class Progress:
                 self.callback(ev)
 
     def close(self) -> None:
+        """Ends the bar; says how the first time estimate compared with the time it took."""
         if self._bar is not None:
             self._bar.close()
+        if self._first_estimate is not None and self.done >= self.total:
+            done, estimate = self._first_estimate
+            took = time.monotonic() - self.start
+            log.info("%s: took %s; the first estimate, after %s %s, was %s (%.2fx)", self.stage, format_seconds(took),
+                     number(done), self.unit, format_seconds(estimate), estimate / took)
 
 
 class Heartbeat:
