@@ -36,9 +36,6 @@ def check_verifier(config) -> None:
         raise PreflightError(f"verifier.path {verifier.path} holds no weight files (*.safetensors, *.bin, *.gguf)")
     for name in ("config.json", *verifier.weight_files, *(n for n in TOKENIZER_FILES if (verifier.path / n).exists())):
         check_readable(verifier.path / name, "verifier file")
-    if not any((verifier.path / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        raise PreflightError(f"verifier.path {verifier.path} has no tokenizer (tokenizer.json, tokenizer.model or "
-                             "vocab.json)")
 
 
 def is_blank(path: Path) -> bool:

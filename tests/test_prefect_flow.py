@@ -43,7 +43,16 @@ def run(config):
     return state.result(), task_states(state.state_details.flow_run_id)
 
 
-def test_rerun_is_all_cached_and_edited_data_reruns_what_depends_on_it(prefect_api, workspace):
+def use_cli_prefect_env(monkeypatch, tmp_path) -> None:
+    """What the CLI sets up (it keeps Prefect's files under the outputs), undone after the test."""
+    for name in ("PREFECT_HOME", "PREFECT_RESULTS_LOCAL_STORAGE_PATH", "PREFECT_SERVER_MEMO_STORE_PATH"):
+        monkeypatch.setenv(name, str(tmp_path / "prefect-home" / name.lower()))
+
+
+def test_rerun_is_all_cached_and_edited_data_reruns_what_depends_on_it(prefect_api, workspace, monkeypatch, capsys,
+                                                                       tmp_path):
+    from flows.cli import main
+
     root, data = workspace
     config = small_config(root / "out", data)
     first, states = run(config)
@@ -53,6 +62,18 @@ def test_rerun_is_all_cached_and_edited_data_reruns_what_depends_on_it(prefect_a
     second, states = run(config)
     assert {name: s for name, (s, _) in states.items()} == {name: "Cached" for name in STAGES}
     assert second["trained"].draft_path == first["trained"].draft_path
+
+    # the CLI's summary of a cached run says so, with absolute paths and the verifier folder
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config.model_dump()))
+    use_cli_prefect_env(monkeypatch, tmp_path)
+    capsys.readouterr()
+    assert main(["run", str(tmp_path / "run.yaml")]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads(out[out.index("{"): out.rindex("}") + 1])
+    assert summary["verifier"].endswith("smollm2-135m-instruct") and Path(summary["verifier"]).is_dir()
+    assert all(summary[key]["from_cache"] for key in ("prepared", "extracted", "vocab", "trained", "validated"))
+    assert summary["extracted"]["manifest"] == first["extracted"].manifest
+    assert Path(summary["extracted"]["manifest"]).is_absolute()
 
     with data.open("a") as f:  # one more conversation arrives
         f.write(json.dumps({"conversations": [{"from": "human", "value": "Name three primary colors."},
@@ -144,8 +165,7 @@ def test_deterministic_worker_error_fails_at_once_and_reaches_the_cli(prefect_ap
                                                       "model_type": "foo", "text_config": {**text, "model_type": "foo_text"}}))
     config = small_config(tmp_path / "out", data, verifier={"path": str(verifier)})
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config.model_dump()))
-    for name in ("PREFECT_HOME", "PREFECT_RESULTS_LOCAL_STORAGE_PATH", "PREFECT_SERVER_MEMO_STORE_PATH"):
-        monkeypatch.setenv(name, str(tmp_path / "prefect-home" / name.lower()))  # what the CLI sets, undone after
+    use_cli_prefect_env(monkeypatch, tmp_path)
 
     assert main(["run", str(tmp_path / "run.yaml")]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
