@@ -61,16 +61,19 @@ def checkpoint_keys(verifier: VerifierInfo) -> list[str]:
 
 
 def language_model_prefix(keys: list[str], decoder_keys: list[str], where) -> str:
-    """The prefix under which the checkpoint holds every one of the decoder's tensors
-    (`model.language_model.` for Llava, `language_model.model.` for Kimi-K2.5)."""
-    available = set(keys)
-    probe = next(k for k in decoder_keys if ".0." in k) if any(".0." in k for k in decoder_keys) else decoder_keys[0]
+    """The prefix under which the checkpoint holds the decoder's tensors (`model.language_model.`
+    for Llava, `language_model.model.` for Kimi-K2.5): the one under which every embedding and
+    norm weight of the decoder is found (tensors a quantized checkpoint keeps under their own
+    names; whether all the others loaded is checked after loading)."""
+    anchors = [k for k in decoder_keys if k.endswith("norm.weight") or "embed_tokens" in k] or decoder_keys
+    probe = next((k for k in anchors if ".0." in k), anchors[0])
     candidates = {k[: -len(probe)] for k in keys if k.endswith(probe)}
-    complete = sorted((p for p in candidates if all(p + k in available for k in decoder_keys)), key=len)
+    available = set(keys)
+    complete = sorted((p for p in candidates if all(p + k in available for k in anchors)), key=len)
     if not complete:
         raise VerifierError(
             f"{where}: the language model's weights are not in the checkpoint under one prefix (looked for "
-            f"'<prefix>{probe}' and the decoder's {len(decoder_keys)} other tensors; candidates "
+            f"'<prefix>{probe}' and the decoder's {len(anchors) - 1} other embedding and norm weights; candidates "
             f"{sorted(candidates) or 'none'})")
     return complete[0]
 
