@@ -3,6 +3,10 @@
 Runs the flow in-process on Prefect's ephemeral server (no server to start). Unless PREFECT_HOME
 is set, Prefect's database and result store live in `<output_dir>/.prefect`, so runs of one
 output folder share a cache and nothing leaks into ~/.prefect.
+
+Exit status: 0 done; 2 a problem a retry cannot fix (a bad config, a missing or empty input, an
+unwritable output folder, a deterministic failure in a stage), named in one `error:` line; 1 a
+stage that still failed after its retries.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ import yaml
 
 from flows.prefect_env import use_private_prefect_home
 from tasks.config import ConfigError, load_config
+from tasks.demo_assets import resolve_config
+from tasks.errors import PermanentError, describe, is_deterministic
+from tasks.preflight import check_before_run
 
 
 def parse_overrides(items: list[str]) -> dict:
@@ -60,11 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         config = load_config(args.config, parse_overrides(args.overrides))
-    except ConfigError as e:
+        output = Path(config.output_dir).resolve()
+        config = config.model_copy(update={"output_dir": str(output)})  # results name absolute paths
+        resolved = resolve_config(config)
+        check_before_run(resolved)
+    except PermanentError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    output = Path(config.output_dir).resolve()
     output.mkdir(parents=True, exist_ok=True)
     prefect_home = use_private_prefect_home(output)
     if args.refresh:
@@ -73,11 +83,47 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"eagle3-pipeline: running '{config.name}' -> {output} (Prefect home: {prefect_home})")
     t0 = time.monotonic()
-    result = eagle3_pipeline(config)
-    summary = {k: (v.__dict__ if hasattr(v, "__dict__") else v) for k, v in result.items()}
+    state = eagle3_pipeline(config, return_state=True)
+    stages = stage_runs(state.state_details.flow_run_id)
+    if not state.is_completed():
+        return report_failure(state, stages)
+    summary = {"verifier": resolved.verifier.path, "output_dir": str(output)}
+    for key, value in state.result().items():
+        summary[key] = {"from_cache": stages[STAGE_OF_RESULT[key]].state.name == "Cached", **value.__dict__}
     print(json.dumps(summary, indent=1, default=str))
     print(f"eagle3-pipeline: done in {time.monotonic() - t0:.0f} s; outputs under {output}")
     return 0
+
+
+# the flow's result keys -> the task that produced each
+STAGE_OF_RESULT = {"prepared": "prepare", "extracted": "extract", "vocab": "vocab", "trained": "train",
+                   "validated": "validate"}
+
+
+def report_failure(state, stages: dict) -> int:
+    """One `error:` line naming the stage and the exception; 2 when retrying cannot help, else 1."""
+    exc = state.result(raise_on_failure=False)
+    failed = [(name, run) for name, run in stages.items() if run.state.is_failed()]
+    where = f"{failed[0][0]} failed" if failed else "the run failed"
+    problem = describe(exc) if isinstance(exc, BaseException) else state.message
+    if isinstance(exc, BaseException) and is_deterministic(exc):
+        print(f"error: {where} (not retried: the same inputs would fail the same way): {problem}", file=sys.stderr)
+        return 2
+    attempts = f" after {failed[0][1].run_count} attempts" if failed else ""
+    print(f"error: {where}{attempts}: {problem}", file=sys.stderr)
+    return 1
+
+
+def stage_runs(flow_run_id) -> dict:
+    """{stage name: its last task run} of a flow run, in the order they ran."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.sorting import TaskRunSort
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+                                     sort=TaskRunSort.EXPECTED_START_TIME_ASC)
+    return {r.name.rsplit("-", 1)[0]: r for r in runs}
 
 
 if __name__ == "__main__":

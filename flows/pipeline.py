@@ -11,11 +11,13 @@ from prefect import flow
 from flows.stages import extract_task, prepare_task, result_storage, run_name, train_task, validate_task, vocab_task
 from tasks.config import PipelineConfig
 from tasks.demo_assets import resolve_config
+from tasks.preflight import check_before_run
 
 
 @flow(name="eagle3-draft", flow_run_name=run_name)
 def eagle3_pipeline(config: PipelineConfig) -> dict:
     config = resolve_config(config)  # demo://... paths become local assets (built once)
+    check_before_run(config)  # paths, data, output folder, layers: what fails without loading a model
     storage = result_storage(config)  # the task cache, next to the outputs by default
     prepare, extract, vocab, train, validate = (
         t.with_options(result_storage=storage)

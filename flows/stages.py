@@ -11,7 +11,8 @@ an edited dataset re-runs prepare and everything downstream. Results are small d
 GPU-heavy stages (extract, train, validate) run their work in subprocesses (tasks/extract.py,
 tasks/train.py and tasks/vllm_live.py launch them), so a CUDA abort, OOM kill or segfault fails
 the task, which retries and resumes from the shards or checkpoints on disk, instead of crashing
-the flow.
+the flow. Only such transient failures are retried: a deterministic one (tasks/errors.py), raised
+here or in a worker process, fails the task at once with the worker's exception type and message.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from prefect.logging import get_run_logger
 from prefect.tasks import exponential_backoff
 
 import tasks.chat_data
+import tasks.chat_template
 import tasks.draft_check
 import tasks.extract
 import tasks.extract_plan
@@ -48,6 +50,7 @@ import tasks.validate
 import tasks.vllm_live
 import tasks.vocab
 from tasks.config import PipelineConfig
+from tasks.errors import describe, is_deterministic
 from tasks.extract import ExtractJob, ExtractResult, run_extraction
 from tasks.prepare import PreparedData, prepare, prepare_fingerprint, read_report
 from tasks.progress import ProgressEvent
@@ -57,7 +60,19 @@ from tasks.validate import ValidationResult, validate
 from tasks.verifier import inspect_verifier, verifier_fingerprint
 from tasks.vocab import VocabResult, build_vocab
 
-GPU_STAGE = {"retries": 2, "retry_delay_seconds": exponential_backoff(backoff_factor=10), "retry_jitter_factor": 0.2}
+def retry_transient(task, task_run, state) -> bool:
+    """Prefect's retry condition: retry what a retry can change, never a deterministic error
+    (bad input or settings, a verifier the backend cannot load: tasks/errors.py)."""
+    exc = state.result(raise_on_failure=False)
+    if isinstance(exc, BaseException) and is_deterministic(exc):
+        get_run_logger().error("%s: not retried, the same inputs would fail the same way", describe(exc))
+        return False
+    return True
+
+
+RETRY_TRANSIENT = {"retry_condition_fn": retry_transient}
+GPU_STAGE = {"retries": 2, "retry_delay_seconds": exponential_backoff(backoff_factor=10), "retry_jitter_factor": 0.2,
+             **RETRY_TRANSIENT}
 
 
 @cache
@@ -130,10 +145,11 @@ def _prepare_key(ctx, p) -> str:
                   if c.data.regenerate.enabled else None)
     fp = prepare_fingerprint(c.verifier.path, c.data.sources, c.data.max_rows, c.data.max_seq_len, regenerate,
                              c.data.supervise_end_of_turn)
-    return cache_key(ctx, fp, c.output_dir, modules=(tasks.prepare, tasks.chat_data, tasks.regenerate))
+    return cache_key(ctx, fp, c.output_dir,
+                     modules=(tasks.prepare, tasks.chat_data, tasks.chat_template, tasks.regenerate))
 
 
-@task(name="prepare", cache_key_fn=_prepare_key, retries=1, retry_delay_seconds=5)
+@task(name="prepare", cache_key_fn=_prepare_key, retries=1, retry_delay_seconds=5, **RETRY_TRANSIENT)
 def prepare_task(config: PipelineConfig) -> PreparedData:
     sources, max_rows = regenerated_sources(config)  # the verifier's own answers, when enabled
     result = prepare(config.verifier.path, sources, config.output_dir, max_seq_len=config.data.max_seq_len,
@@ -167,9 +183,9 @@ def _extract_key(ctx, p) -> str:
 
 @task(name="extract", cache_key_fn=_extract_key, tags=["gpu"], **GPU_STAGE)
 def extract_task(config: PipelineConfig, prepared: PreparedData) -> ExtractResult:
-    def show_plan(plan) -> None:
+    def show_plan(plan) -> None:  # again once the first batches corrected the estimate: the latest version shows
         create_table_artifact(table=table(plan.summary()), key="extraction-plan",
-                              description=plan.describe().splitlines()[0])
+                              description=f"{plan.describe().splitlines()[0]}; estimated time {plan.estimate_text()}")
 
     result = run_extraction(_extract_job(config, prepared), on_plan=show_plan,
                             callback=ProgressArtifact("hidden-state extraction"))
@@ -186,7 +202,7 @@ def _vocab_key(ctx, p) -> str:
                      inspect_verifier(c.verifier.path).vocab_size, c.output_dir, modules=(tasks.vocab,))
 
 
-@task(name="vocab", cache_key_fn=_vocab_key, retries=1, retry_delay_seconds=5)
+@task(name="vocab", cache_key_fn=_vocab_key, retries=1, retry_delay_seconds=5, **RETRY_TRANSIENT)
 def vocab_task(config: PipelineConfig, prepared: PreparedData) -> VocabResult:
     result = build_vocab(prepared.path, prepared.fingerprint, config.verifier.path, config.output_dir,
                          config.vocab.draft_vocab_size)

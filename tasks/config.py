@@ -12,6 +12,8 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from tasks.errors import PermanentError
+
 # A path on the local filesystem, or `demo://<asset>` for the demo's assets (tasks/demo_assets.py).
 AssetPath = Annotated[str, Field(min_length=1)]
 
@@ -61,7 +63,8 @@ class DataSettings(Section):
 class ExtractSettings(Section):
     backend: Literal["transformers", "vllm"] = "transformers"
     aux_layers: list[int] | None = Field(
-        None, description="Exactly 3 verifier layer ids for the draft's input; default [2, N//2, N-3]."
+        None, description="Exactly 3 verifier layer ids for the draft's input, each 1..N (id k: the output of "
+        "decoder layer k); default [2, N//2, N-3]."
     )
     device: str = Field("auto", description="transformers backend: 'auto', 'cpu', 'cuda', 'cuda:1', ...")
     batch_tokens: int = Field(16384, gt=0, description="Padded tokens per forward batch.")
@@ -88,8 +91,8 @@ class ExtractSettings(Section):
             return v
         if len(v) != 3:
             raise ValueError(f"needs exactly 3 layer ids (vLLM's EAGLE-3 fc takes 3 x hidden), got {v}")
-        if len(set(v)) != 3 or min(v) < 0:
-            raise ValueError(f"layer ids must be distinct and >= 0, got {v}")
+        if len(set(v)) != 3 or min(v) < 1:
+            raise ValueError(f"layer ids must be distinct and >= 1 (id k is the output of decoder layer k), got {v}")
         return sorted(v)
 
 
@@ -173,7 +176,7 @@ class PipelineConfig(Section):
         return Path(self.output_dir)
 
 
-class ConfigError(ValueError):
+class ConfigError(PermanentError, ValueError):
     """A configuration that cannot run; the message names the file and the field."""
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from tasks.errors import PermanentError
 from tasks.verifier import VerifierInfo
 
 VLLM_DRAFT_ARCHITECTURES = ("llama", "qwen3")  # transformer_layer_config.model_type vLLM maps to an EAGLE-3 class
@@ -51,7 +52,7 @@ class StaticReport:
         return {**asdict(self), "ok": self.ok, "errors": self.errors}
 
 
-class DraftCheckError(ValueError):
+class DraftCheckError(PermanentError, ValueError):
     """The draft would not load in vLLM, or would load and draft wrongly."""
 
 

@@ -6,6 +6,7 @@ resumable, fingerprinted shards (format: tasks/shards.py).
 
 - The plan (tasks/extract_plan.py) comes first, before any model loads: tokens, bytes on disk, an
   estimated time, the free disk; it refuses to start when the disk or host memory cannot hold it.
+  The estimate is corrected (and logged, planned vs measured) from the first measured batches.
 - Shard i belongs to worker i % world_size: several processes, GPUs or machines fill one folder
   without coordination. Worker processes run `python -m tasks.extract` (tasks/subprocess_runs.py
   launches and follows them); each writes its shards with tasks/shard_writer.py.
@@ -39,7 +40,7 @@ from tasks.extract_plan import (
 from tasks.progress import ProgressCallback, ProgressEvent
 from tasks.shard_writer import extract_shards
 from tasks.shards import SHARD_FORMAT, Journal, fsync_dir, read_metadata, unchanged_since_journal, verify_shard
-from tasks.subprocess_runs import progress_file_callback, run_processes
+from tasks.subprocess_runs import progress_file_callback, reporting_errors, run_processes
 from tasks.verifier import VerifierInfo, inspect_verifier
 
 log = logging.getLogger(__name__)
@@ -206,7 +207,9 @@ def run_worker(job: ExtractJob, rank: int = 0, world_size: int = 1,
 def run_extraction(job: ExtractJob, *, in_process: bool = False, callback: ProgressCallback | None = None,
                    on_plan=None) -> ExtractResult:
     """The whole stage: plan (refusing if the disk cannot hold it), extract the pending shards
-    with `settings.workers` worker processes (or here, `in_process`), verify, write the manifest."""
+    with `settings.workers` worker processes (or here, `in_process`), verify, write the manifest.
+    `on_plan(plan)` is called with the plan before any model loads, and again once the first
+    measured batches have corrected its time estimate."""
     t0 = time.monotonic()
     s = job.extract_settings
     out_dir = Path(job.out_dir)
@@ -225,6 +228,8 @@ def run_extraction(job: ExtractJob, *, in_process: bool = False, callback: Progr
     def remember(event: ProgressEvent) -> None:
         if event.stage.startswith("extract"):
             last[:] = [event]
+            if plan.calibrate(event) and on_plan is not None:
+                on_plan(plan)  # the plan again, with the measured estimate
         if callback is not None:
             callback(event)
 
@@ -265,7 +270,8 @@ def run_extraction(job: ExtractJob, *, in_process: bool = False, callback: Progr
 def run_worker_processes(job: ExtractJob, workers: int, callback: ProgressCallback | None) -> None:
     """`workers` subprocesses (`python -m tasks.extract`), each its own GPUs; their progress
     files are followed and merged into one report. A crash, OOM or CUDA abort fails this call,
-    not the caller's process, and the shards already written stay valid for the retry."""
+    not the caller's process, and the shards already written stay valid for the retry; a
+    worker's exception is raised here as it was raised there (tasks/subprocess_runs.py)."""
     out_dir = Path(job.out_dir)
     progress_dir = out_dir / "progress"
     progress_dir.mkdir(parents=True, exist_ok=True)
@@ -286,9 +292,7 @@ def run_worker_processes(job: ExtractJob, workers: int, callback: ProgressCallba
                          "--world-size", str(workers), "--progress-file", str(progress_file)])
         envs.append(env)
         progress_files.append(progress_file)
-    failed = run_processes(commands, progress_files, callback, envs)
-    if failed:
-        raise ExtractError(f"extraction workers failed (rank: exit code) {failed}; finished shards are kept")
+    run_processes(commands, progress_files, callback, envs, label="extraction worker")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     job = ExtractJob(**json.loads(Path(a.job).read_text()))
     if "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    run_worker(job, a.rank, a.world_size, progress_file_callback(a.progress_file) if a.progress_file else None)
+    with reporting_errors(a.progress_file):
+        run_worker(job, a.rank, a.world_size, progress_file_callback(a.progress_file) if a.progress_file else None)
     return 0
 
 

@@ -5,16 +5,24 @@ id, N, is the last decoder layer's output *before* the final norm, which is what
 `extract_hidden_states` returns (transformers' `output_hidden_states[N]` is after the norm;
 speculators applies the verifier's norm itself). Forward hooks on the decoder layers capture
 exactly the requested ids, and the decoder runs without the LM head: no logits are computed.
+
+A multimodal wrapper (Llava, Kimi-K2.5, ...: the language model's config under `text_config`, its
+weights under a prefix) loads as its language model alone: the decoder is built from the nested
+config and its weights are read from the wrapper's files through a prefix mapping found in the
+checkpoint's key names (transformers' `key_mapping`); vision weights are never read, and no remote
+code is needed where transformers knows the language model's architecture.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 
 import torch
 
 from tasks.progress import LoadMonitor, ProgressCallback
-from tasks.verifier import VerifierInfo
+from tasks.verifier import VerifierError, VerifierInfo, read_config, text_config
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +42,83 @@ def decoder_layers(model: torch.nn.Module, num_layers: int) -> torch.nn.ModuleLi
     return candidates[0]  # the outermost: a vision tower's layers come after the language model's by name
 
 
+def checkpoint_keys(verifier: VerifierInfo) -> list[str]:
+    """Tensor names of a safetensors checkpoint, from its index or the files' headers (no tensor is read)."""
+    index = verifier.path / "model.safetensors.index.json"
+    if index.is_file():
+        return list(json.loads(index.read_text())["weight_map"])
+    files = [f for f in verifier.weight_files if f.endswith(".safetensors")]
+    if not files:
+        raise VerifierError(f"{verifier.path}: a nested (multimodal) verifier is read from safetensors files; found "
+                            f"{list(verifier.weight_files)}")
+    from safetensors import safe_open
+
+    keys = []
+    for name in files:
+        with safe_open(str(verifier.path / name), "pt") as f:
+            keys.extend(f.keys())
+    return keys
+
+
+def language_model_prefix(keys: list[str], decoder_keys: list[str], where) -> str:
+    """The prefix under which the checkpoint holds the decoder's tensors (`model.language_model.`
+    for Llava, `language_model.model.` for Kimi-K2.5): the one under which every embedding and
+    norm weight of the decoder is found (tensors a quantized checkpoint keeps under their own
+    names; whether all the others loaded is checked after loading)."""
+    anchors = [k for k in decoder_keys if k.endswith("norm.weight") or "embed_tokens" in k] or decoder_keys
+    probe = next((k for k in anchors if ".0." in k), anchors[0])
+    candidates = {k[: -len(probe)] for k in keys if k.endswith(probe)}
+    available = set(keys)
+    complete = sorted((p for p in candidates if all(p + k in available for k in anchors)), key=len)
+    if not complete:
+        raise VerifierError(
+            f"{where}: the language model's weights are not in the checkpoint under one prefix (looked for "
+            f"'<prefix>{probe}' and the decoder's {len(anchors) - 1} other embedding and norm weights; candidates "
+            f"{sorted(candidates) or 'none'})")
+    return complete[0]
+
+
+def load_language_model(verifier: VerifierInfo, dtype: torch.dtype, device_map, trust_remote_code: bool):
+    """The decoder of a wrapper's language model, built from its nested config, its weights read
+    under their prefix in the wrapper's checkpoint."""
+    from transformers import AutoConfig, AutoModel
+
+    nested, key = text_config(read_config(verifier.path))
+    model_type = nested.get("model_type")
+    try:
+        config = AutoConfig.for_model(**nested)
+    except (KeyError, ValueError):
+        if trust_remote_code:  # the wrapper's own code builds (and loads) the whole model
+            return None
+        from transformers import __version__
+
+        raise VerifierError(
+            f"{verifier.path}: transformers {__version__} does not know the language model in config.json[{key!r}] "
+            f"(model_type {model_type!r}); set verifier.trust_remote_code: true if the folder ships its code"
+        ) from None
+    with torch.device("meta"):
+        decoder_keys = list(AutoModel.from_config(config).state_dict())
+    prefix = language_model_prefix(checkpoint_keys(verifier), decoder_keys, verifier.path)
+    log.info("verifier %s: loading its language model (%s, config.json[%r]) alone, weights under '%s'",
+             verifier.path.name, type(config).__name__.removesuffix("Config"), key, prefix)
+    from transformers.utils import logging as hf_logging
+
+    report = hf_logging.get_logger("transformers.modeling_utils")  # its load report lists every vision tensor
+    level = report.level
+    report.setLevel(logging.ERROR)
+    try:
+        model, info = AutoModel.from_pretrained(verifier.path, config=config, dtype=dtype, device_map=device_map,
+                                                key_mapping={f"^{re.escape(prefix)}": ""}, output_loading_info=True)
+    finally:
+        report.setLevel(level)
+    if info["missing_keys"] or info["mismatched_keys"]:
+        raise VerifierError(f"{verifier.path}: the language model's tensors under '{prefix}' do not fit its config: "
+                            f"missing {sorted(info['missing_keys'])[:5]}, mismatched {list(info['mismatched_keys'])[:5]}")
+    log.info("verifier %s: %d tensors of the wrapper left unread (vision tower, projector, LM head)",
+             verifier.path.name, len(info["unexpected_keys"]))
+    return model
+
+
 class TransformersBackend:
     name = "transformers"
 
@@ -50,14 +135,16 @@ class TransformersBackend:
     def load(self, callback: ProgressCallback | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
+        # several GPUs visible to one process: accelerate spreads the layers over them
+        device_map = "auto" if self.device == "cuda" else self.device
         with LoadMonitor(f"verifier {self.verifier.path.name}", self.verifier.weight_bytes, callback):
-            model = AutoModelForCausalLM.from_pretrained(
-                self.verifier.path,
-                dtype=self.dtype,
-                # several GPUs visible to one process: accelerate spreads the layers over them
-                device_map="auto" if self.device == "cuda" else self.device,
-                trust_remote_code=self.trust_remote_code,
-            )
+            model = None
+            if self.verifier.text_config_key is not None:
+                model = load_language_model(self.verifier, self.dtype, device_map, self.trust_remote_code)
+            if model is None:
+                model = AutoModelForCausalLM.from_pretrained(self.verifier.path, dtype=self.dtype,
+                                                             device_map=device_map,
+                                                             trust_remote_code=self.trust_remote_code)
         self.attach(model)
 
     def attach(self, model: torch.nn.Module) -> None:

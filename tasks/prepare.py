@@ -1,10 +1,9 @@
 """Stage 1, prepare: chat data -> verifier-tokenized `input_ids` and assistant-only loss masks.
 
-The loss mask is derived from the verifier's own chat template, without `{% generation %}`
-markers (most templates, SmolLM2's included, have none): the conversation is rendered once, each
-assistant text is located in the rendering (it starts after the rendering of the conversation so
-far plus the generation prompt), and the tokens whose characters lie inside an assistant text
-are the supervised ones. Template tokens (role headers, end-of-turn markers) are never supervised.
+Rows are read and normalized by tasks/chat_data.py, rendered through the verifier's own chat
+template and masked by tasks/chat_template.py (only the text the assistant wrote is supervised).
+A row that cannot be used is dropped and counted by reason (an unknown role by its name); a
+conversation with an empty turn keeps the exchanges before it, and the turns cut are counted.
 
 Output: a `datasets` folder (`sample_id`, `input_ids`, `loss_mask`, `seq_len`) under
 `<output_dir>/prepared/<fingerprint>/`, with `report.json`. The folder name is the fingerprint
@@ -14,7 +13,6 @@ never overwritten by one made from other inputs.
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 import logging
@@ -25,16 +23,18 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tasks.chat_data import Dropped, normalize, read_rows, source_files
+from tasks.chat_data import Dropped, read_conversation, read_rows, source_files
+from tasks.chat_template import tokenize_conversation
+from tasks.errors import PermanentError
 from tasks.verifier import tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
 # Bump when the output for the same inputs changes.
-PREPARE_FORMAT = "prepare-v1"
+PREPARE_FORMAT = "prepare-v2"  # v2: tool use kept, empty turns cut, control-token strings tokenized as text
 
 
-class PrepareError(ValueError):
+class PrepareError(PermanentError, ValueError):
     """Prepare cannot start; nothing has been written."""
 
 
@@ -45,17 +45,29 @@ class PrepareReport:
     rows_kept: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
     dropped_examples: dict[str, list[str]] = field(default_factory=dict)  # a few row ids per reason
+    unknown_roles: dict[str, int] = field(default_factory=dict)  # the roles behind `unknown_role`, by name
+    shortened_rows: int = 0  # conversations cut at an empty turn, the exchanges before it kept
+    turns_cut: int = 0
+    shortened_examples: list[str] = field(default_factory=list)
     truncated_rows: int = 0
     tokens: int = 0
     supervised_tokens: int = 0
     max_seq_len: int = 0
     wall_s: float = 0.0
 
-    def drop(self, row_id: str, reason: str) -> None:
-        self.dropped[reason] = self.dropped.get(reason, 0) + 1
-        examples = self.dropped_examples.setdefault(reason, [])
+    def drop(self, row_id: str, dropped: Dropped) -> None:
+        self.dropped[dropped.reason] = self.dropped.get(dropped.reason, 0) + 1
+        examples = self.dropped_examples.setdefault(dropped.reason, [])
         if len(examples) < 5:
             examples.append(row_id)
+        if dropped.reason == "unknown_role":
+            self.unknown_roles[dropped.detail] = self.unknown_roles.get(dropped.detail, 0) + 1
+
+    def shorten(self, row_id: str, turns: int) -> None:
+        self.shortened_rows += 1
+        self.turns_cut += turns
+        if len(self.shortened_examples) < 5:
+            self.shortened_examples.append(row_id)
 
 
 @dataclass(frozen=True)
@@ -93,70 +105,6 @@ def end_of_turn_ids(verifier_path: str, tokenizer) -> frozenset[int]:
         eos = GenerationConfig.from_pretrained(verifier_path).eos_token_id
         ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     return frozenset(ids)
-
-
-def tokenize_conversation(tokenizer, messages: list[dict], max_seq_len: int,
-                          end_of_turn: frozenset[int] = frozenset()) -> tuple[list[int], list[int], bool] | Dropped:
-    """(input_ids, loss_mask, truncated) for one conversation, or why it cannot be used. A token
-    of `end_of_turn` right after an assistant text is supervised too: the verifier emits it at the
-    end of every answer, and a draft that predicts it gets that token accepted."""
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False)
-        spans = assistant_spans(tokenizer, messages, text)
-    except Exception as e:  # a template may raise on any input it dislikes (e.g. roles not alternating)
-        return Dropped("template_error", str(e)[:200])
-    if isinstance(spans, Dropped):
-        return spans
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    input_ids = enc["input_ids"]
-    loss_mask = [0] * len(input_ids)
-    span_iter = iter(spans)
-    start, end = next(span_iter)
-    for i, (a, b) in enumerate(enc["offset_mapping"]):
-        while a >= end:  # spans and tokens are both in text order
-            nxt = next(span_iter, None)
-            if nxt is None:
-                break
-            start, end = nxt
-        if start <= a and b <= end and a < b:
-            loss_mask[i] = 1
-    if end_of_turn:
-        starts = [a for a, _ in enc["offset_mapping"]]
-        for _, end in spans:
-            i = bisect.bisect_left(starts, end)  # the first token after the answer
-            if i < len(input_ids) and input_ids[i] in end_of_turn:
-                loss_mask[i] = 1
-    truncated = len(input_ids) > max_seq_len
-    input_ids, loss_mask = input_ids[:max_seq_len], loss_mask[:max_seq_len]
-    if not any(loss_mask):
-        return Dropped("no_supervised_tokens")
-    return input_ids, loss_mask, truncated
-
-
-def assistant_spans(tokenizer, messages: list[dict], text: str) -> list[tuple[int, int]] | Dropped:
-    """Character spans of the assistant texts inside the rendered conversation."""
-    spans = []
-    cursor = 0
-    for j, message in enumerate(messages):
-        if message["role"] == "assistant":
-            # The answer begins where generation would: after the conversation so far plus the
-            # generation prompt. Templates that rewrite earlier turns later fall back to the cursor.
-            prefix = tokenizer.apply_chat_template(messages[:j], tokenize=False, add_generation_prompt=True) if j else ""
-            if text.startswith(prefix):
-                cursor = max(cursor, len(prefix))
-        content = message["content"]
-        idx = text.find(content, cursor)
-        if idx < 0:  # templates commonly trim
-            content = content.strip()
-            idx = text.find(content, cursor)
-        if idx < 0:
-            if message["role"] == "assistant":
-                return Dropped("template_alters_assistant_text", f"turn {j} not found verbatim in the rendering")
-            continue  # a system/user text the template rewrites does not matter for the mask
-        if message["role"] == "assistant":
-            spans.append((idx, idx + len(content)))
-        cursor = idx + len(content)
-    return spans
 
 
 def sources_fingerprint(sources: list[str]) -> str:
@@ -202,12 +150,14 @@ def prepare(verifier_path: str, sources: list[str], output_dir: str | Path, *, m
     columns: dict[str, list] = {"sample_id": [], "input_ids": [], "loss_mask": [], "seq_len": []}
     for row in read_rows(sources, max_rows):
         report.rows_read += 1
-        messages = row.data if isinstance(row.data, Dropped) else normalize(row.data)
-        tokenized = (messages if isinstance(messages, Dropped)
-                     else tokenize_conversation(tokenizer, messages, max_seq_len, end_of_turn))
+        conversation = row.data if isinstance(row.data, Dropped) else read_conversation(row.data)
+        tokenized = (conversation if isinstance(conversation, Dropped)
+                     else tokenize_conversation(tokenizer, conversation.messages, max_seq_len, end_of_turn))
         if isinstance(tokenized, Dropped):
-            report.drop(row.row_id, tokenized.reason)
+            report.drop(row.row_id, tokenized)
             continue
+        if conversation.turns_cut:
+            report.shorten(row.row_id, conversation.turns_cut)
         input_ids, loss_mask, truncated = tokenized
         columns["sample_id"].append(row.row_id)
         columns["input_ids"].append(input_ids)
@@ -225,8 +175,10 @@ def prepare(verifier_path: str, sources: list[str], output_dir: str | Path, *, m
     report.wall_s = round(time.monotonic() - t0, 2)
     _write_atomically(final, columns, report)
     log.info(
-        "prepare: kept %d of %d rows (%d tokens, %d supervised); dropped %s -> %s",
-        report.rows_kept, report.rows_read, report.tokens, report.supervised_tokens, report.dropped or "none", final,
+        "prepare: kept %d of %d rows (%d tokens, %d supervised; %d cut short at an empty turn, %d turns left out); "
+        "dropped %s%s -> %s", report.rows_kept, report.rows_read, report.tokens, report.supervised_tokens,
+        report.shortened_rows, report.turns_cut, report.dropped or "none",
+        f" (unknown roles {report.unknown_roles})" if report.unknown_roles else "", final,
     )
     return _result(final)
 

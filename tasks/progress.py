@@ -9,6 +9,7 @@ import logging
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,7 +24,7 @@ class ProgressEvent:
     done: float
     total: float
     unit: str
-    rate: float | None  # units per second, measured since the first unit
+    rate: float | None  # units per second, over the later half of the time since the first unit
     eta_s: float | None
     elapsed_s: float
     note: str = ""
@@ -33,6 +34,8 @@ class ProgressEvent:
         return min(1.0, self.done / self.total) if self.total else 1.0
 
     def describe(self) -> str:
+        if not self.unit:  # a step without countable units (an engine starting): how long it has run
+            return f"{self.stage}: {format_seconds(self.elapsed_s)} elapsed" + (f" ({self.note})" if self.note else "")
         rate = f", {number(self.rate)} {self.unit}/s" if self.rate else ""
         eta = f", ETA {format_seconds(self.eta_s)}" if self.eta_s is not None else ""
         note = f" ({self.note})" if self.note else ""
@@ -60,7 +63,9 @@ class Progress:
         self.log_every_s = log_every_s
         self.start = time.monotonic()
         self.done = done
-        self._rate_start: tuple[float, float] | None = None  # (time, done) when measuring began
+        self._rate_start: float | None = None  # when measuring began: after the first unit
+        self._samples: deque[tuple[float, float]] = deque()  # (time, done) since then, thinned to one a second
+        self._first_estimate: tuple[float, float] | None = None  # (done, elapsed + ETA) of the first ETA given
         self._last_log = 0.0
         self._bar = None
         if sys.stderr.isatty():
@@ -68,22 +73,36 @@ class Progress:
 
             self._bar = tqdm(total=total, initial=done, unit=unit, desc=stage, unit_scale=True, dynamic_ncols=True)
 
+    def rate(self, now: float) -> float | None:
+        """Units per second over the later half of the time measured so far: a slow start
+        (allocation, compilation, caches) fades out of the estimate instead of weighing on it
+        to the end, and a long run averages over many periods (validation and checkpoints included)."""
+        if self._rate_start is None or now <= self._rate_start:
+            return None
+        cut = self._rate_start + (now - self._rate_start) / 2
+        while len(self._samples) > 1 and self._samples[1][0] <= cut:
+            self._samples.popleft()
+        t, done = self._samples[0]
+        return (self.done - done) / (now - t) if now > t else None
+
     def event(self, note: str = "") -> ProgressEvent:
         now = time.monotonic()
-        rate = eta = None
-        if self._rate_start is not None and now > self._rate_start[0]:
-            rate = (self.done - self._rate_start[1]) / (now - self._rate_start[0])
-            eta = (self.total - self.done) / rate if rate > 0 else None
+        rate = self.rate(now)
+        eta = (self.total - self.done) / rate if rate else None
+        if eta is not None and self._first_estimate is None and self.done < self.total:
+            self._first_estimate = (self.done, now - self.start + eta)
         return ProgressEvent(self.stage, self.done, self.total, self.unit, rate, eta, now - self.start, note)
 
     def update(self, n: float, note: str = "", force: bool = False) -> None:
+        now = time.monotonic()
+        self.done += n
         if self._rate_start is None:
             # The first unit includes warm-up (allocation, compilation): rates start after it.
-            self._rate_start = (time.monotonic(), self.done + n)
-        self.done += n
+            self._rate_start = now
+        if not self._samples or now - self._samples[-1][0] >= 1.0:  # one sample a second is plenty
+            self._samples.append((now, self.done))
         if self._bar is not None:
             self._bar.update(n)
-        now = time.monotonic()
         if force or now - self._last_log >= self.log_every_s or self.done >= self.total:
             self._last_log = now
             ev = self.event(note)
@@ -92,19 +111,60 @@ class Progress:
                 self.callback(ev)
 
     def close(self) -> None:
+        """Ends the bar; says how the first time estimate compared with the time it took."""
         if self._bar is not None:
             self._bar.close()
+        if self._first_estimate is not None and self.done >= self.total:
+            done, estimate = self._first_estimate
+            took = time.monotonic() - self.start
+            log.info("%s: took %s; the first estimate, after %s %s, was %s (%.2fx)", self.stage, format_seconds(took),
+                     number(done), self.unit, format_seconds(estimate), estimate / took)
 
 
-class LoadMonitor:
+class Heartbeat:
+    """A log line (and a callback event) every `every_s` while a step without countable units runs,
+    and one when it ends: a minute of silence is indistinguishable from a hang."""
+
+    def __init__(self, stage: str, callback: ProgressCallback | None = None, every_s: float = 10.0):
+        self.stage, self.callback, self.every_s = stage, callback, every_s
+        self._stop = threading.Event()
+
+    def event(self, elapsed: float, final: bool | None) -> ProgressEvent:
+        """`final`: None while running, True when the step succeeded, False when it failed."""
+        note = {None: "", True: "done", False: "failed"}[final]
+        return ProgressEvent(self.stage, 0, 0, "", None, None, elapsed, note)
+
+    def _report(self, final: bool | None = None) -> None:
+        ev = self.event(time.monotonic() - self._t0, final)
+        log.info("%s", ev.describe())
+        if self.callback is not None:
+            self.callback(ev)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self._report()
+
+    def __enter__(self):
+        self._t0 = time.monotonic()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="heartbeat")
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._report(final=exc[0] is None)
+
+
+class LoadMonitor(Heartbeat):
     """Logs while a model loads: elapsed time, bytes read from disk, bytes materialized (GPU
     memory allocated, or resident memory on CPU) against the size of the weight files. A
     22-minute load with nothing in the log is indistinguishable from a hang."""
 
     def __init__(self, what: str, weight_bytes: int, callback: ProgressCallback | None = None,
                  every_s: float = 10.0):
-        self.what, self.weight_bytes, self.callback, self.every_s = what, weight_bytes, callback, every_s
-        self._stop = threading.Event()
+        super().__init__(f"load {what}", callback, every_s)
+        self.what, self.weight_bytes = what, weight_bytes
         self._proc = psutil.Process()
 
     def _read_bytes(self) -> int:
@@ -120,30 +180,13 @@ class LoadMonitor:
             return sum(torch.cuda.memory_allocated(d) for d in range(torch.cuda.device_count()))
         return max(0, self._proc.memory_info().rss - self._rss0)
 
-    def _report(self, final: bool = False) -> None:
-        elapsed = time.monotonic() - self._t0
+    def event(self, elapsed: float, final: bool | None) -> ProgressEvent:
         read = self._read_bytes() - self._read0
-        done = self._materialized()
-        ev = ProgressEvent(f"load {self.what}", done / 1e9, self.weight_bytes / 1e9, "GB", None, None, elapsed,
-                           note=f"{read / 1e9:.1f} GB read from disk" + (", done" if final else ""))
-        log.info("%s", ev.describe())
-        if self.callback is not None:
-            self.callback(ev)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.every_s):
-            self._report()
+        return ProgressEvent(self.stage, self._materialized() / 1e9, self.weight_bytes / 1e9, "GB", None, None, elapsed,
+                             note=f"{read / 1e9:.1f} GB read from disk" + (", done" if final else ""))
 
     def __enter__(self) -> LoadMonitor:
-        self._t0 = time.monotonic()
         self._read0 = self._read_bytes()
         self._rss0 = self._proc.memory_info().rss
         log.info("loading %s: %d weight bytes (%.1f GB)", self.what, self.weight_bytes, self.weight_bytes / 1e9)
-        self._thread = threading.Thread(target=self._run, daemon=True, name="load-monitor")
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._report(final=exc[0] is None)
+        return super().__enter__()

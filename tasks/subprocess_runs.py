@@ -1,19 +1,42 @@
 """Stage work in subprocesses: a CUDA abort, OOM kill or segfault fails the call, not the caller's
 process (the Prefect flow), and the stage's retry resumes from what is on disk.
 
-A worker process reports progress as JSON lines in its own file (`progress_file_callback`); the
-parent follows the files while the processes run and passes their latest events, merged into
-one, to its callback (`run_processes`).
+The parent, `run_processes(commands, progress_files, callback, label=...)`: starts one process per
+command, follows their progress files while they run and passes their latest events, merged into
+one, to `callback`. When a process fails, it raises:
+- the worker's own exception, rebuilt from what the worker reported: its type where that type is
+  already imported here (`VerifierError`, `ValueError`, ...; else a `WorkerFailed` that carries the
+  type's name), its message, and `deterministic` (tasks/errors.py) as the worker classified it, so
+  a stage's retry condition skips retries of what cannot change;
+- `WorkerLost` (transient) for a process that died without reporting one (killed by the OOM killer
+  or a signal, a segfault, a CUDA abort).
+With `logs`, each process's output goes to its own file instead of this process's stdout/stderr,
+and the exception's notes hold its last lines.
+
+The worker, `python -m <module>` with its progress file:
+
+    with reporting_errors(progress_file):   # the exception goes to <progress>.errors.jsonl
+        work(..., callback=progress_file_callback(progress_file))
+
+Several processes may share one progress file's error file (the ranks of torchrun): each record
+says its rank (`$RANK`).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
+import sys
 import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
+from tasks.errors import is_deterministic
 from tasks.progress import ProgressCallback, ProgressEvent
 
 
@@ -57,14 +80,136 @@ def merge_progress(events: list) -> ProgressEvent | None:
                          max(e.elapsed_s for e in events), f"{len(events)} workers")
 
 
+class WorkerFailed(RuntimeError):
+    """A worker's exception whose type is not imported in this process: its name and message."""
+
+    def __init__(self, type_name: str, message: str, deterministic: bool):
+        super().__init__(message)
+        self.type_name, self.deterministic = type_name, deterministic
+
+    def __str__(self) -> str:
+        return f"{self.type_name}: {super().__str__()}"
+
+
+class WorkerLost(RuntimeError):
+    """A worker process died without reporting an exception; a retry may well succeed."""
+
+    deterministic = False
+
+
+def errors_file(progress_file: str | Path) -> Path:
+    """Where the processes writing `progress_file` report their exception."""
+    progress_file = Path(progress_file)
+    return progress_file.with_name(f"{progress_file.stem}.errors.jsonl")
+
+
+@contextmanager
+def reporting_errors(progress_file: str | Path | None) -> Iterator[None]:
+    """In a worker: an exception leaving the block is recorded for the parent, then re-raised
+    (its traceback still goes to stderr and the process exits non-zero)."""
+    try:
+        yield
+    except Exception as e:
+        if progress_file is not None:
+            record = {"rank": int(os.environ.get("RANK", 0)), "pid": os.getpid(),
+                      "type": f"{type(e).__module__}.{type(e).__qualname__}", "message": str(e),
+                      "deterministic": is_deterministic(e), "traceback": traceback.format_exc()[-8000:]}
+            with errors_file(progress_file).open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        raise
+
+
+def rebuild(record: dict) -> Exception:
+    """The worker's exception: its own type when that is imported here and takes the message
+    alone, else a WorkerFailed naming it. Either way `deterministic` is the worker's verdict."""
+    module, _, qualname = record["type"].rpartition(".")
+    cls = getattr(sys.modules.get(module), qualname, None)
+    exc = None
+    if isinstance(cls, type) and issubclass(cls, Exception):
+        try:
+            exc = cls(record["message"])
+            if str(exc) != record["message"]:
+                exc = None
+        except Exception:
+            exc = None
+    if exc is None:
+        exc = WorkerFailed(qualname, record["message"], record["deterministic"])
+    exc.deterministic = record["deterministic"]
+    return exc
+
+
+def read_errors(progress_file: Path) -> list[dict]:
+    path = errors_file(progress_file)
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut short by a kill
+    return records
+
+
+def exit_description(code: int, logged: bool = False) -> str:
+    if code < 0:
+        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
+        why = " (the kernel's OOM killer sends it when memory runs out)" if -code == signal.SIGKILL else ""
+        return f"was killed by {name}{why}"
+    return f"exited with code {code} without reporting an exception" + ("" if logged else " (see its output above)")
+
+
+def output_tail(path: Path, lines: int = 25) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.is_file() else ""
+
+
 def run_processes(commands: list[list[str]], progress_files: list[Path], callback: ProgressCallback | None,
-                  envs: list[dict[str, str]] | None = None, poll_s: float = 2.0) -> dict[int, int]:
+                  envs: list[dict[str, str]] | None = None, poll_s: float = 2.0, label: str = "worker",
+                  logs: list[Path] | None = None) -> None:
     """Run one process per command (with its env, or this one's), each writing progress to its
     file, and wait for all, passing their merged progress to `callback` whenever it changes.
-    Returns the exit codes of the processes that failed, by index; raising is the caller's call."""
-    for path in progress_files:  # a file left by an earlier attempt would report its progress
+    A process's output goes to its file in `logs` if given (else to this one's stdout/stderr).
+    Raises if any failed (module docstring): the first reported exception, else `WorkerLost`."""
+    for path in progress_files:  # files left by an earlier attempt would report its progress and errors
         path.unlink(missing_ok=True)
-    procs = [subprocess.Popen(cmd, env=envs[i] if envs else None) for i, cmd in enumerate(commands)]
+        errors_file(path).unlink(missing_ok=True)
+    outputs = [log.open("w") for log in logs] if logs else [None] * len(commands)
+    try:
+        procs = [subprocess.Popen(cmd, env=envs[i] if envs else None, stdout=outputs[i],
+                                  stderr=subprocess.STDOUT if outputs[i] else None) for i, cmd in enumerate(commands)]
+        follow(procs, progress_files, callback, poll_s)
+    finally:
+        for f in outputs:
+            if f is not None:
+                f.close()
+    failed = {i: p.returncode for i, p in enumerate(procs) if p.returncode != 0}
+    if failed:
+        raise worker_failure(failed, progress_files, label, logs)
+
+
+def worker_failure(failed: dict[int, int], progress_files: list[Path], label: str, logs: list[Path] | None
+                   ) -> Exception:
+    """The exception for failed processes: the first one a worker reported, else `WorkerLost`."""
+    i, code = next(iter(failed.items()))
+    records = [(j, r) for j in failed for r in sorted(read_errors(progress_files[j]), key=lambda r: r["rank"])]
+    if records:
+        i, record = records[0]
+        exc = rebuild(record)
+        exc.add_note(f"raised in {label} {record['rank']} (pid {record['pid']}); its traceback:\n"
+                     + record["traceback"].rstrip())
+    else:
+        others = f" ({len(failed) - 1} more failed)" if len(failed) > 1 else ""
+        where = f" (its output: {logs[i]})" if logs else ""
+        exc = WorkerLost(f"{label} {i} {exit_description(code, logs is not None)}{where}{others}; a retry resumes "
+                         "from what is on disk")
+    if logs:
+        exc.add_note(f"the last lines of its output ({logs[i]}):\n{output_tail(logs[i])}")
+    return exc
+
+
+def follow(procs: list[subprocess.Popen], progress_files: list[Path], callback: ProgressCallback | None,
+           poll_s: float) -> None:
+    """Until every process has exited, pass their merged progress to `callback` when it changes."""
     followers = [ProgressFile(path) for path in progress_files]
     last = None
     while True:
@@ -76,4 +221,3 @@ def run_processes(commands: list[list[str]], progress_files: list[Path], callbac
         if not running:
             break  # read once more after the last exit: the workers' final events
         time.sleep(poll_s)
-    return {i: p.returncode for i, p in enumerate(procs) if p.returncode != 0}

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from tasks.progress import Progress, ProgressCallback
-from tasks.subprocess_runs import progress_file_callback, run_processes
+from tasks.subprocess_runs import progress_file_callback, reporting_errors, run_processes
 from tasks.train_data import (
     ShardDataset,
     StepBatches,
@@ -488,10 +488,7 @@ def run_training(job: TrainJob, manifest_fp: str, vocab_fp: str, *, in_process: 
                 "--progress-file", str(progress_file)]
         cmd = [sys.executable, *args] if s.nproc == 1 else [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={s.nproc}", *args]
-        failed = run_processes([cmd], [progress_file], callback)
-        if failed:
-            raise RuntimeError(f"training process exited with {failed[0]}; the next attempt resumes from the last "
-                               "complete checkpoint")
+        run_processes([cmd], [progress_file], callback, label="training process")
         result = TrainResult(**json.loads(result_file.read_text()))
     return TrainResult(**{**asdict(result), "fingerprint": fingerprint})
 
@@ -508,7 +505,8 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s")
     job = TrainJob(**json.loads(Path(a.job).read_text()))
     callback = progress_file_callback(a.progress_file) if a.progress_file and rank == 0 else None
-    result = train_worker(job, callback)
+    with reporting_errors(a.progress_file):
+        result = train_worker(job, callback)
     if result is not None and a.result:
         Path(a.result).write_text(json.dumps(asdict(result)))
     if dist.is_initialized():

@@ -24,11 +24,12 @@ from speculators.train.data import CollateFn
 from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 from torch.utils.data import DataLoader, Dataset
 
+from tasks.errors import PermanentError
 from tasks.prepare import load_prepared
 from tasks.shards import ShardReader
 
 
-class TrainDataError(ValueError):
+class TrainDataError(PermanentError, ValueError):
     """The shards, prepared data or split cannot be trained on; the message says why."""
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.draft_check import EAGLE31_FLAGS, DraftCheckError, check_draft
+from tasks.errors import PermanentError
 from tasks.verifier import inspect_verifier
 from tasks.vllm_backend import vllm_available
 from tasks.vllm_live import compare_outputs, mtbench_prompts, run_engine
@@ -26,7 +27,7 @@ from tasks.vllm_live import compare_outputs, mtbench_prompts, run_engine
 log = logging.getLogger(__name__)
 
 
-class ValidationFailed(RuntimeError):
+class ValidationFailed(PermanentError, RuntimeError):
     """The draft is not fit to deploy; the message says why."""
 
 

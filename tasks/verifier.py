@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from tasks.errors import PermanentError
+
 # Keys under which multimodal wrappers keep the language model's config.
 NESTED_TEXT_CONFIG_KEYS = ("text_config", "language_config", "llm_config")
 TOKENIZER_FILES = (
@@ -28,7 +30,7 @@ TOKENIZER_FILES = (
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 
 
-class VerifierError(ValueError):
+class VerifierError(PermanentError, ValueError):
     """The verifier folder cannot serve this pipeline; the message says why."""
 
 

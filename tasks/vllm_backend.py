@@ -5,6 +5,11 @@ layer ids (layer id k = after k decoder layers; id N is the last layer before th
 as in the transformers backend) to one small file per request, through a KV connector; they
 are read back and packed like the transformers backend's output, then written into the same
 fingerprinted shards. Files go to /dev/shm when it exists (RAM, never the shard disk).
+
+vLLM loads a verifier by its architecture, a multimodal wrapper (Llava, Kimi-K2.5) included. Before
+an engine starts, the architecture's model code is looked up and imported: an architecture vLLM
+does not have, or whose code needs a package that is not installed (vLLM's Llava needs torchvision),
+is named in a VerifierError instead of vLLM's "failed to be inspected".
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from pathlib import Path
 import torch
 
 from tasks.progress import LoadMonitor, ProgressCallback
-from tasks.verifier import VerifierInfo
+from tasks.verifier import VerifierError, VerifierInfo
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +35,27 @@ def vllm_available() -> bool:
     except Exception:  # any import failure (missing, broken CUDA libs) means "not here"
         return False
     return True
+
+
+def check_architecture(verifier: VerifierInfo) -> None:
+    """vLLM has a model for the verifier's architecture and its code imports here."""
+    import importlib
+
+    from vllm import __version__
+    from vllm.model_executor.models import ModelRegistry
+
+    arch = verifier.architecture
+    if arch not in ModelRegistry.get_supported_archs():
+        raise VerifierError(f"vLLM {__version__} has no model for {arch} ({verifier.path}); extract.backend: "
+                            "transformers loads it (or its language model alone)")
+    module = getattr(ModelRegistry.models[arch], "module_name", None)
+    try:
+        if module:
+            importlib.import_module(module)
+    except ImportError as e:
+        missing = f"the package '{e.name.split('.')[0]}', which is not installed" if e.name else "a missing import"
+        raise VerifierError(f"vLLM {__version__} cannot load {arch} ({verifier.path}) here: its model code needs "
+                            f"{missing} ({e}); install it, or use extract.backend: transformers") from None
 
 
 class VllmBackend:
@@ -48,6 +74,7 @@ class VllmBackend:
     def load(self, callback: ProgressCallback | None = None) -> None:
         from vllm import LLM
 
+        check_architecture(self.verifier)
         scratch = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         self.storage = tempfile.mkdtemp(prefix="eagle3-hs-", dir=scratch)
         on_cpu = not torch.cuda.is_available()

@@ -1,7 +1,8 @@
 """Live validation: the verifier served by vLLM with the draft, greedy, on held-out prompts.
 
-Each engine runs in its own subprocess (`python -m tasks.vllm_live`): vLLM's engine processes,
-memory and any crash stay there. The draft is always given in the explicit form
+Each engine runs in its own subprocess (`python -m tasks.vllm_live`, launched and followed by
+tasks/subprocess_runs.py): vLLM's engine processes, memory and any crash stay there; its output
+goes to a log file next to its result, and its progress (starting the engine, generating) to the log. The draft is always given in the explicit form
 `{"method": "eagle3", "model": <draft>, "num_speculative_tokens": k}` (without "method", vLLM
 guesses it from the path; vLLM 0.33 refuses the auto path with a local verifier). Acceptance is
 read from vLLM's own spec-decode counters (`LLM.get_metrics()`):
@@ -16,10 +17,12 @@ import argparse
 import json
 import logging
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from tasks.progress import Heartbeat, ProgressCallback
+from tasks.subprocess_runs import progress_file_callback, reporting_errors, run_processes
 
 log = logging.getLogger(__name__)
 
@@ -63,22 +66,31 @@ def spec_decode_counters(llm) -> dict:
     }
 
 
-def serve_once(verifier: str, draft: str | None, prompts: list[list[int]], k: int, max_new_tokens: int) -> dict:
-    """One engine, greedy generation of every prompt; runs inside the subprocess."""
-    import torch
-    from vllm import LLM, SamplingParams, TokensPrompt
-
-    on_cpu = not torch.cuda.is_available()
+def serve_once(verifier: str, draft: str | None, prompts: list[list[int]], k: int, max_new_tokens: int,
+               callback: ProgressCallback | None = None) -> dict:
+    """One engine, greedy generation of every prompt; runs inside the subprocess. Starting the
+    engine and generating take a minute each on a CPU: both report a heartbeat to `callback`."""
+    what = "verifier + draft" if draft else "verifier alone"
     t0 = time.monotonic()
-    llm = LLM(
-        model=verifier, dtype="bfloat16", seed=0, enforce_eager=on_cpu, disable_log_stats=False,
-        max_model_len=max(len(p) for p in prompts) + max_new_tokens + k + 1,
-        speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": k} if draft else None,
-    )
+    with Heartbeat(f"vLLM: starting the engine ({what})", callback):
+        import torch
+        from vllm import LLM, SamplingParams, TokensPrompt
+
+        from tasks.verifier import inspect_verifier
+        from tasks.vllm_backend import check_architecture
+
+        check_architecture(inspect_verifier(verifier))  # names what vLLM lacks for it
+        on_cpu = not torch.cuda.is_available()
+        llm = LLM(
+            model=verifier, dtype="bfloat16", seed=0, enforce_eager=on_cpu, disable_log_stats=False,
+            max_model_len=max(len(p) for p in prompts) + max_new_tokens + k + 1,
+            speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": k} if draft else None,
+        )
     init_s = time.monotonic() - t0
     t0 = time.monotonic()
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                           SamplingParams(temperature=0.0, max_tokens=max_new_tokens), use_tqdm=False)
+    with Heartbeat(f"vLLM: generating {len(prompts)} prompts, up to {max_new_tokens} tokens each ({what})", callback):
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                               SamplingParams(temperature=0.0, max_tokens=max_new_tokens), use_tqdm=False)
     generate_s = time.monotonic() - t0
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     result = {"draft": draft, "init_s": round(init_s, 1), "generate_s": round(generate_s, 2),
@@ -94,17 +106,19 @@ def run_engine(verifier: str, draft: str | None, prompts_file: Path, k: int, max
     # Intel OpenMP, which vLLM suggests for speculative decoding on CPU, gained little here and leaves
     # /dev/shm files behind after each engine exit.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    progress, output = out.with_suffix(".progress.jsonl"), out.with_suffix(".log")
     cmd = [sys.executable, "-m", "tasks.vllm_live", "--verifier", verifier, "--prompts", str(prompts_file),
-           "--k", str(k), "--max-new-tokens", str(max_new_tokens), "--out", str(out)]
+           "--k", str(k), "--max-new-tokens", str(max_new_tokens), "--out", str(out), "--progress-file", str(progress)]
     if draft:
         cmd += ["--draft", draft]
-    log.info("vLLM: serving %s %s", verifier, f"with draft {draft}" if draft else "alone (reference outputs)")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-25:])
-        raise RuntimeError(f"vLLM failed to serve {'draft ' + draft if draft else verifier} "
-                           f"(exit {proc.returncode}):\n{tail}")
-    return json.loads(out.read_text())
+    log.info("vLLM: serving %s %s; its output goes to %s", verifier,
+             f"with draft {draft}" if draft else "alone (reference outputs)", output)
+    run_processes([cmd], [progress], lambda event: log.info("%s", event.describe()), [env], label="vLLM engine",
+                  logs=[output])
+    result = json.loads(out.read_text())
+    log.info("vLLM: engine started in %.0f s; %d tokens generated in %.1f s (%.1f tokens/s)", result["init_s"],
+             result["generated_tokens"], result["generate_s"], result["tokens_per_s"])
+    return result
 
 
 def compare_outputs(reference: list[list[int]], candidate: list[list[int]]) -> dict:
@@ -123,9 +137,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--out", required=True)
+    p.add_argument("--progress-file")
     a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     prompts = json.loads(Path(a.prompts).read_text())
-    result = serve_once(a.verifier, a.draft, prompts, a.k, a.max_new_tokens)
+    with reporting_errors(a.progress_file):
+        result = serve_once(a.verifier, a.draft, prompts, a.k, a.max_new_tokens,
+                            progress_file_callback(a.progress_file) if a.progress_file else None)
     Path(a.out).write_text(json.dumps(result))
     return 0
 

@@ -143,9 +143,13 @@ def test_truncated_or_corrupt_shard_is_detected_and_redone(reference, prepared, 
 
 def test_two_worker_processes_fill_one_folder(reference, prepared, smollm2, tmp_path):
     ref_dir, ref_result = reference
-    progress = []
-    result = run_extraction(job_for(prepared, smollm2, tmp_path, workers=2), callback=progress.append)
+    progress, plans = [], []
+    result = run_extraction(job_for(prepared, smollm2, tmp_path, workers=2), callback=progress.append,
+                            on_plan=lambda plan: plans.append(plan.summary()))
     assert result.shards_extracted == ref_result.shards
+    # the plan before any model loads, then again with the time measured on the first batches
+    assert len(plans) == 2 and "measured" not in plans[0]["estimated_time"]
+    assert plans[1]["estimated_time"].endswith("(measured)") and plans[1]["measured_tokens_per_s"] > 0
     assert shard_bytes(tmp_path) == shard_bytes(ref_dir)
     reader = ShardReader(result.manifest)
     assert sorted(reader.sample_ids) == sorted(load_prepared(prepared.path)["sample_id"])

@@ -7,9 +7,11 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
+import yaml
 
 from flow_support import small_config, task_states, write_sample_data
 from tasks.vocab import vocab_fingerprint
@@ -41,7 +43,16 @@ def run(config):
     return state.result(), task_states(state.state_details.flow_run_id)
 
 
-def test_rerun_is_all_cached_and_edited_data_reruns_what_depends_on_it(prefect_api, workspace):
+def use_cli_prefect_env(monkeypatch, tmp_path) -> None:
+    """What the CLI sets up (it keeps Prefect's files under the outputs), undone after the test."""
+    for name in ("PREFECT_HOME", "PREFECT_RESULTS_LOCAL_STORAGE_PATH", "PREFECT_SERVER_MEMO_STORE_PATH"):
+        monkeypatch.setenv(name, str(tmp_path / "prefect-home" / name.lower()))
+
+
+def test_rerun_is_all_cached_and_edited_data_reruns_what_depends_on_it(prefect_api, workspace, monkeypatch, capsys,
+                                                                       tmp_path):
+    from flows.cli import main
+
     root, data = workspace
     config = small_config(root / "out", data)
     first, states = run(config)
@@ -51,6 +62,18 @@ def test_rerun_is_all_cached_and_edited_data_reruns_what_depends_on_it(prefect_a
     second, states = run(config)
     assert {name: s for name, (s, _) in states.items()} == {name: "Cached" for name in STAGES}
     assert second["trained"].draft_path == first["trained"].draft_path
+
+    # the CLI's summary of a cached run says so, with absolute paths and the verifier folder
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config.model_dump()))
+    use_cli_prefect_env(monkeypatch, tmp_path)
+    capsys.readouterr()
+    assert main(["run", str(tmp_path / "run.yaml")]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads(out[out.index("{"): out.rindex("}") + 1])
+    assert summary["verifier"].endswith("smollm2-135m-instruct") and Path(summary["verifier"]).is_dir()
+    assert all(summary[key]["from_cache"] for key in ("prepared", "extracted", "vocab", "trained", "validated"))
+    assert summary["extracted"]["manifest"] == first["extracted"].manifest
+    assert Path(summary["extracted"]["manifest"]).is_absolute()
 
     with data.open("a") as f:  # one more conversation arrives
         f.write(json.dumps({"conversations": [{"from": "human", "value": "Name three primary colors."},
@@ -120,3 +143,38 @@ def test_extraction_worker_killed_mid_run_retries_and_resumes(prefect_api, works
     extracted = result["extracted"]
     assert 0 < extracted.shards_extracted < extracted.shards  # the retry kept the shards written before the kill
     assert extracted.layers == [3, 14, 26, 30]
+
+
+def test_deterministic_worker_error_fails_at_once_and_reaches_the_cli(prefect_api, workspace, smollm2, tmp_path,
+                                                                      monkeypatch, capsys):
+    """A wrapper whose language model transformers does not know passes every check that needs no
+    model, then fails in the extraction worker: the task fails on its first attempt with the
+    worker's exception, and the CLI says so in one line and exits 2."""
+    from flows.cli import main
+    from prefect import get_client
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    _, data = workspace
+    verifier = tmp_path / "unknown-language-model"
+    verifier.mkdir()
+    for f in Path(smollm2).iterdir():
+        if f.name != "config.json":
+            os.symlink(f, verifier / f.name)
+    text = json.loads((Path(smollm2) / "config.json").read_text())
+    (verifier / "config.json").write_text(json.dumps({"architectures": ["FooForConditionalGeneration"],
+                                                      "model_type": "foo", "text_config": {**text, "model_type": "foo_text"}}))
+    config = small_config(tmp_path / "out", data, verifier={"path": str(verifier)})
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config.model_dump()))
+    use_cli_prefect_env(monkeypatch, tmp_path)
+
+    assert main(["run", str(tmp_path / "run.yaml")]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "extract failed (not retried" in errors[0], errors
+    assert "VerifierError: " in errors[0] and "does not know the language model" in errors[0]
+    with get_client(sync_client=True) as client:
+        flow_run = client.read_flow_runs(sort=FlowRunSort.START_TIME_DESC, limit=1)[0]
+    states = task_states(flow_run.id)
+    assert states["prepare"][0] == "Completed" and states["extract"] == ("Failed", 1)
+    with get_client(sync_client=True) as client:
+        extract = next(r for r in client.read_task_runs() if r.flow_run_id == flow_run.id and r.name.startswith("extract"))
+    assert "VerifierError" in extract.state.message and "foo_text" in extract.state.message

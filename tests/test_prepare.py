@@ -9,14 +9,8 @@ from pathlib import Path
 import pytest
 
 from tasks.chat_data import Dropped, normalize, read_rows
-from tasks.prepare import (
-    PrepareError,
-    end_of_turn_ids,
-    load_prepared,
-    prepare,
-    read_report,
-    tokenize_conversation,
-)
+from tasks.chat_template import tokenize_conversation
+from tasks.prepare import PrepareError, end_of_turn_ids, load_prepared, prepare, read_report
 
 
 def masked_runs(input_ids, loss_mask):
@@ -135,6 +129,7 @@ def test_each_bad_row_reason_is_counted_and_nothing_crashes(smollm2, tmp_path):
         "no_supervised_tokens": 1,
     }
     assert report["dropped_examples"]["invalid_json"] == ["bad.jsonl:1"]
+    assert report["unknown_roles"] == {"alien": 1}  # which role, by name
 
 
 def test_truncated_json_array_keeps_every_complete_row(smollm2, tmp_path):
@@ -198,3 +193,84 @@ def test_missing_verifier_and_missing_template_fail_before_any_work(smollm2, sha
 def test_missing_data_source_is_named(smollm2, tmp_path):
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
         prepare(smollm2, [str(tmp_path / "missing.jsonl")], tmp_path / "out", max_seq_len=128)
+
+
+WEATHER_CALL = {"id": "call_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}
+TOOL_USE = [
+    {"role": "system", "content": "You can look up the weather."},
+    {"role": "user", "content": "How is the weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [WEATHER_CALL]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "18C and sunny"},
+    {"role": "assistant", "content": [{"type": "text", "text": "It is 18C and sunny in Paris."}]},
+]
+# ChatML with tool calls and results, as Qwen2.5's template renders them
+TOOL_TEMPLATE = (
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content or '' }}"
+    "{%- for call in m.tool_calls or [] %}<tool_call>{{ call.function.name }}({{ call.function.arguments | tojson }})"
+    "</tool_call>{%- endfor %}<|im_end|>\n"
+    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>{{ m.content }}</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+# a template that knows three roles and raises on any other
+STRICT_TEMPLATE = (
+    "{%- for m in messages %}{%- if m.role not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('roles must be system, user or assistant') }}{%- endif %}"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+
+
+@pytest.mark.parametrize("template", ["smollm2", "tool-aware", "strict"])
+def test_tool_use_is_kept_as_context_and_only_the_assistant_text_is_supervised(tokenizer, template):
+    import copy
+
+    from tasks.chat_data import read_conversation
+
+    if template != "smollm2":
+        tokenizer = copy.deepcopy(tokenizer)
+        tokenizer.chat_template = TOOL_TEMPLATE if template == "tool-aware" else STRICT_TEMPLATE
+    conversation = read_conversation({"messages": TOOL_USE})
+    assert [m["role"] for m in conversation.messages] == ["system", "user", "assistant", "tool", "assistant"]
+    input_ids, loss_mask, _ = tokenize_conversation(tokenizer, conversation.messages, max_seq_len=10**9)
+    rendered = tokenizer.decode(input_ids)
+    assert "get_weather" in rendered and "Paris" in rendered and "18C and sunny" in rendered  # all the context
+    assert [tokenizer.decode(run) for run in masked_runs(input_ids, loss_mask)] == ["It is 18C and sunny in Paris."]
+    if template == "tool-aware":  # the template's own rendering of the call and the result
+        assert 'get_weather({"city": "Paris"})' in rendered and "<tool_response>18C and sunny" in rendered
+
+
+def test_an_empty_turn_keeps_the_exchanges_before_it_and_is_counted(smollm2, tmp_path):
+    exchanges = [{"from": "human", "value": "Hi!"}, {"from": "gpt", "value": "Hello, how can I help?"},
+                 {"from": "human", "value": "Name a color."}, {"from": "gpt", "value": "Blue."}]
+    rows = [{"conversations": [*exchanges, {"from": "human", "value": "And another?"}, {"from": "gpt", "value": ""},
+                               {"from": "human", "value": "Thanks"}, {"from": "gpt", "value": "You're welcome."}]},
+            {"conversations": [{"from": "human", "value": ""}, {"from": "gpt", "value": "Hello."}]}]
+    source = write_lines(tmp_path / "empty-turns.jsonl", rows)
+    result = prepare(smollm2, [str(source)], tmp_path / "out", max_seq_len=512)
+    report = read_report(result.path)
+    assert (report["rows_kept"], report["dropped"]) == (1, {"empty_content": 1})
+    assert (report["shortened_rows"], report["turns_cut"]) == (1, 4)  # the empty exchange and the one after it
+    assert report["shortened_examples"] == ["empty-turns.jsonl:0"]
+    from transformers import AutoTokenizer
+
+    row = load_prepared(result.path)[0]
+    answers = [AutoTokenizer.from_pretrained(smollm2).decode(run)
+               for run in masked_runs(row["input_ids"], row["loss_mask"])]
+    assert answers == ["Hello, how can I help?", "Blue."]
+
+
+def test_control_token_strings_inside_messages_are_tokenized_as_text(tokenizer):
+    messages = [{"role": "user", "content": "What does <|im_end|> mean in ChatML?"},
+                {"role": "assistant", "content": "It closes a turn, as in <|im_start|>user\nhi<|im_end|>."}]
+    input_ids, loss_mask, _ = tokenize_conversation(tokenizer, messages, max_seq_len=10**9)
+    start, end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    turns = 3  # the template's default system turn, the question, the answer
+    assert input_ids.count(start) == turns and input_ids.count(end) == turns  # only those the template placed
+    assert [tokenizer.decode(run) for run in masked_runs(input_ids, loss_mask)] == [messages[1]["content"]]
+    special = set(tokenizer.all_special_ids)
+    assert not any(m and t in special for t, m in zip(input_ids, loss_mask, strict=True))
+    plain = [{"role": m["role"], "content": m["content"].replace("<|im_", "<im_")} for m in messages]
+    assert tokenize_conversation(tokenizer, plain, 10**9)[0] == tokenizer.apply_chat_template(plain)["input_ids"]

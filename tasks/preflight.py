@@ -1,0 +1,94 @@
+"""Checks before the flow's first task: everything that can be known without loading a model.
+
+A run that would fail on a missing folder, an unreadable file, an empty data source, an
+unwritable output folder or auxiliary layers outside the verifier's depth fails here, in a
+second, with one message naming the problem, instead of minutes later in a stage (and its
+retries). Takes a config whose `demo://` paths are resolved (tasks/demo_assets.py).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from tasks.chat_data import source_files
+from tasks.errors import PermanentError
+from tasks.verifier import TOKENIZER_FILES, inspect_verifier
+
+
+class PreflightError(PermanentError, ValueError):
+    """The run cannot succeed as configured; the message names the setting and the path."""
+
+
+def check_readable(path: Path, what: str) -> None:
+    try:
+        with path.open("rb") as f:
+            f.read(1)
+    except OSError as e:
+        raise PreflightError(f"{what} {path} cannot be read: {e.strerror or e}") from None
+
+
+def check_verifier(config) -> None:
+    verifier = inspect_verifier(config.verifier.path)  # VerifierError: missing folder, config.json, sizes
+    verifier.aux_layers(config.extract.aux_layers)  # VerifierError: layers outside its depth
+    if not verifier.weight_files:
+        raise PreflightError(f"verifier.path {verifier.path} holds no weight files (*.safetensors, *.bin, *.gguf)")
+    for name in ("config.json", *verifier.weight_files, *(n for n in TOKENIZER_FILES if (verifier.path / n).exists())):
+        check_readable(verifier.path / name, "verifier file")
+
+
+def is_blank(path: Path) -> bool:
+    with path.open("rb") as f:
+        head = f.read(1 << 16)
+    return not head.strip() and path.stat().st_size <= len(head)
+
+
+def check_data(config) -> None:
+    """Every source exists and is readable, a file named in the config is not empty, and some
+    source holds data (a drop folder may be empty until data arrives, if another source has some)."""
+    has_data = False
+    for source in config.data.sources:
+        try:
+            files = source_files(source)
+        except FileNotFoundError as e:
+            raise PreflightError(f"data.sources: {e}") from None
+        for path in files:
+            if path.is_dir():  # a `datasets` folder
+                has_data = True
+                continue
+            check_readable(path, "data file")
+            if not is_blank(path):
+                has_data = True
+            elif path == Path(source):
+                raise PreflightError(f"data.sources: {path} is empty")
+    if not has_data:
+        raise PreflightError(f"data.sources {config.data.sources} hold no data (no non-empty .json or .jsonl file)")
+
+
+def check_writable(folder: Path, what: str) -> None:
+    """`folder` can be created and written, tested in its nearest existing ancestor (nothing is
+    left behind: a run that fails a later check has not created its output folder)."""
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise PreflightError(f"{what} {folder}: {existing} is a file, not a folder")
+    try:
+        Path(tempfile.mkdtemp(prefix=".eagle3-write-test-", dir=existing)).rmdir()
+    except OSError as e:
+        raise PreflightError(f"{what} {folder} is not writable: {e.strerror or e} ({existing})") from None
+
+
+def check_before_run(config) -> None:
+    """Every check; raises the first problem found (PreflightError or VerifierError)."""
+    check_verifier(config)
+    check_data(config)
+    v = config.validation
+    if v.live != "skip" and v.prompts and not Path(v.prompts).is_file():
+        raise PreflightError(f"validation.prompts {v.prompts} is not a file")
+    if v.baseline_draft and not (Path(v.baseline_draft) / "config.json").is_file():
+        raise PreflightError(f"validation.baseline_draft {v.baseline_draft} is not a draft folder (no config.json)")
+    check_writable(Path(config.output_dir).resolve(), "output_dir")
+    if os.environ.get("PREFECT_HOME"):
+        check_writable(Path(os.environ["PREFECT_HOME"]), "PREFECT_HOME")
