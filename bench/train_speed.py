@@ -36,7 +36,8 @@ from tasks.extract_plan import ExtractionPlan, plan_shards  # noqa: E402
 from tasks.shard_writer import extract_shards  # noqa: E402
 from tasks.prepare import load_prepared  # noqa: E402
 from tasks.shards import ShardReader  # noqa: E402
-from tasks.train import TrainJob, read_metrics, train_worker  # noqa: E402
+from tasks.tracking import read_metrics  # noqa: E402
+from tasks.train import TrainJob, train_worker  # noqa: E402
 from tasks.vocab import build_vocab  # noqa: E402
 
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,

@@ -120,6 +120,8 @@ class TrainSettings(Section):
     val_fraction: float = Field(0.05, ge=0, lt=1, description="Share of samples held out for validation.")
     eval_every: int = Field(200, gt=0, description="Validate and checkpoint every N steps, and at the end.")
     log_every: int = Field(10, gt=0)
+    tensorboard: bool = Field(True, description="TensorBoard event files under the train stage's folder "
+                              "(`tensorboard --logdir <output_dir>/train`).")
     keep_checkpoints: int = Field(2, gt=0, description="Recent checkpoints kept, besides the best.")
     nproc: int = Field(1, gt=0, description="Processes for DDP under torchrun (one per GPU).")
     loader_workers: int = Field(0, ge=0, description="DataLoader worker processes.")

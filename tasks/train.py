@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from tasks.progress import Progress, ProgressCallback
 from tasks.subprocess_runs import progress_file_callback, reporting_errors, run_processes
+from tasks.tracking import TrainingLog
 from tasks.train_data import (
     ShardDataset,
     StepBatches,
@@ -91,19 +92,24 @@ class TrainResult:
     wall_s: float  # the whole attempt: start-up, data, compilation, training, validation, export
 
 
-def simulated_acceptance_length(metrics: dict[str, float], k: int) -> float:
-    """Expected tokens per verification step with k chained draft tokens, greedy: the bonus
-    token plus each draft position i accepted only if all before it were, i.e.
-    1 + sum_i prod_{j<=i} cond_acc_j (vLLM's "mean acceptance length" counts the same way)."""
-    total, survive = 1.0, 1.0
+def per_position_acceptance(metrics: dict[str, float], k: int) -> list[float]:
+    """Share of drafts whose positions 0..i are all accepted, greedy: prod_{j<=i} cond_acc_j
+    (what vLLM's per-position acceptance counts: accepted at position i / drafts)."""
+    out, survive = [], 1.0
     for i in range(k):
         survive *= metrics.get(f"cond_acc_{i}", 0.0)
-        total += survive
-    return total
+        out.append(survive)
+    return out
+
+
+def simulated_acceptance_length(metrics: dict[str, float], k: int) -> float:
+    """Expected tokens per verification step with k chained draft tokens, greedy: the bonus
+    token plus each position's acceptance (vLLM's "mean acceptance length" counts the same way)."""
+    return 1.0 + sum(per_position_acceptance(metrics, k))
 
 
 def train_fingerprint(manifest_fp: str, vocab_fp: str, settings: dict) -> str:
-    relevant = {k: v for k, v in settings.items() if k not in ("loader_workers", "device", "log_every")}
+    relevant = {k: v for k, v in settings.items() if k not in ("loader_workers", "device", "log_every", "tensorboard")}
     parts = {"format": TRAIN_FORMAT, "data": manifest_fp, "vocab": vocab_fp, "settings": relevant}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
@@ -315,8 +321,7 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
         state = load_checkpoint(checkpoints[-1], model, optimizers, schedulers)
         step, best = state["step"], state["best"]
         log.info("resumed from %s (step %d of %d)", checkpoints[-1], step, total_steps)
-    if rank == 0:
-        trim_metrics_log(out_dir, step)
+    metrics_log = TrainingLog(out_dir, step, s.tensorboard) if rank == 0 else None
     net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
 
     def validate() -> dict[str, float]:
@@ -369,7 +374,7 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
                 metrics["simulated_acceptance_length"] = simulated_acceptance_length(metrics, s.ttt_steps)
                 sums, tokens, t_window = {}, 0, now
                 if rank == 0:
-                    append_metrics(out_dir, {"split": "train", **metrics})
+                    metrics_log.write({"split": "train", **metrics})
                 note = (f"loss {metrics['loss']:.4f}, acc0 {metrics.get('full_acc_0', 0):.3f}, "
                         f"{metrics['tokens_per_s']:,.0f} tok/s")
             progress.update(1, note=note)
@@ -379,8 +384,7 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
                 if acceptance > best["acceptance"] or not val:  # without a validation set, the latest is kept
                     best = {"step": step, "acceptance": acceptance, "metrics": val}
                 if rank == 0 and val:
-                    append_metrics(out_dir, {"split": "val", "step": step, **val,
-                                             "simulated_acceptance_length": acceptance})
+                    metrics_log.write({"split": "val", "step": step, **val, "simulated_acceptance_length": acceptance})
                     log.info("validation at step %d: simulated acceptance length %.3f (best %.3f at step %d), "
                              "loss %.4f", step, acceptance, best["acceptance"], best["step"], val["loss"])
                 elif rank == 0:
@@ -397,6 +401,7 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
         dist.barrier()
     if rank != 0:
         return None
+    metrics_log.close()
     best_dir = out_dir / "checkpoints" / f"step-{best['step']:08d}"
     draft = export_draft(model, best_dir, out_dir)
     result = TrainResult(
@@ -444,25 +449,6 @@ def evaluate_draft(draft: str | Path, manifest: str | Path, prepared_path: str |
     dataset = ShardDataset(manifest, prepared_path)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     return evaluate(model, dataset, total_seq_len, read_manifest(manifest)["hidden_size"], dtype, device, call)
-
-
-def append_metrics(out_dir: Path, record: dict) -> None:
-    with (out_dir / "metrics.jsonl").open("a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def trim_metrics_log(out_dir: Path, step: int) -> None:
-    """After a resume, drop the records the killed run wrote past its last checkpoint."""
-    path = out_dir / "metrics.jsonl"
-    if path.is_file():
-        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        path.write_text("".join(line + "\n" for line in kept))
-    out_dir.mkdir(parents=True, exist_ok=True)
-
-
-def read_metrics(out_dir: str | Path) -> list[dict]:
-    path = Path(out_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
 # ---------------------------------------------------------------- running it

@@ -17,7 +17,8 @@ import torch
 
 from tasks.extract import ExtractJob, run_extraction
 from tasks.prepare import load_prepared, prepare
-from tasks.train import TrainJob, checkpoint_dirs, read_metrics, run_training, simulated_acceptance_length
+from tasks.tracking import read_metrics
+from tasks.train import TrainJob, checkpoint_dirs, run_training, simulated_acceptance_length
 from tasks.train_data import TrainDataError
 from tasks.vocab import build_vocab, load_vocab, token_frequencies
 
@@ -44,6 +45,14 @@ def job(data, smollm2, out: Path, **settings) -> TrainJob:
 def train(data, smollm2, out, **settings):
     _, extraction, vocab = data
     return run_training(job(data, smollm2, out, **settings), extraction.fingerprint, vocab.fingerprint, in_process=True)
+
+
+def tensorboard_scalars(out: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar series of a training folder's TensorBoard event files, as TensorBoard reads them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0}).Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
 def test_vocab_mapping_round_trips(data, smollm2):
@@ -91,6 +100,15 @@ def test_best_checkpoint_is_chosen_by_simulated_acceptance(data, smollm2, tmp_pa
     assert result.simulated_acceptance_length == pytest.approx(best["simulated_acceptance_length"], abs=1e-4)
     assert best["simulated_acceptance_length"] == pytest.approx(simulated_acceptance_length(best, 3))
     assert (tmp_path / "checkpoints" / f"step-{result.best_step:08d}" / "COMPLETE").is_file()
+
+    board = tensorboard_scalars(tmp_path)  # TensorBoard holds what metrics.jsonl holds, step for step
+    train_log = [m for m in read_metrics(tmp_path) if m["split"] == "train"]
+    for split, log in (("train", train_log), ("val", val_log)):
+        keys = {"loss", "simulated_acceptance_length", "full_acc_0", "full_acc_2", "cond_acc_1"}
+        for key in keys | ({"lr", "tokens_per_s"} if split == "train" else set()):
+            got = board[f"{split}/{key}"]
+            assert [step for step, _ in got] == [m["step"] for m in log], (split, key)
+            assert [v for _, v in got] == pytest.approx([m[key] for m in log], rel=1e-6), (split, key)
 
 
 def test_simulated_acceptance_length_chains_conditional_accuracies():
@@ -157,6 +175,12 @@ def test_kill_then_resume_across_uneven_epochs_reproduces_the_uninterrupted_run(
         [(m["split"], m["step"], m["epoch"] if "epoch" in m else None) for m in want]
     for a, b in zip(got, want, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (resumed_from, a["step"])
+    # TensorBoard hides what the killed process logged past its checkpoint (purge_step): one value per step
+    board, reference_board = tensorboard_scalars(killed), tensorboard_scalars(reference)
+    assert len(list((killed / "tensorboard").glob("events.out.tfevents.*"))) == 2  # killed run's file + resumed
+    for tag in ("train/loss", "train/simulated_acceptance_length", "val/simulated_acceptance_length"):
+        assert [step for step, _ in board[tag]] == [step for step, _ in reference_board[tag]], tag
+        assert [v for _, v in board[tag]] == pytest.approx([v for _, v in reference_board[tag]], rel=1e-5), tag
     assert result.steps == done.steps and result.best_step == done.best_step
     assert result.simulated_acceptance_length == pytest.approx(done.simulated_acceptance_length, abs=1e-6)
 
