@@ -25,6 +25,7 @@ from pathlib import Path
 
 from prefect import task
 from prefect.artifacts import (
+    create_image_artifact,
     create_markdown_artifact,
     create_progress_artifact,
     create_table_artifact,
@@ -39,11 +40,13 @@ import tasks.draft_check
 import tasks.extract
 import tasks.extract_plan
 import tasks.hf_backend
+import tasks.plots
 import tasks.prepare
 import tasks.regenerate
 import tasks.shard_writer
 import tasks.shards
 import tasks.subprocess_runs
+import tasks.tracking
 import tasks.train
 import tasks.train_data
 import tasks.validate
@@ -132,6 +135,14 @@ def run_name() -> str:
     return f"{Path(config.verifier.path.removeprefix('demo://')).name} on {data} ({config.name})"
 
 
+def show_picture(path: Path, key: str, description: str) -> None:
+    """A PNG (tasks/plots.py) as an image artifact holding it as a data: URL, which both of Prefect
+    3.7's UIs show without a file server. Not inside a markdown artifact: the new UI's markdown
+    renderer blanks data: URLs (react-markdown's default URL filter)."""
+    create_image_artifact(image_url=tasks.plots.data_uri(path), key=key, description=description)
+    get_run_logger().info("%s: %s", description, path)
+
+
 def table(rows: dict) -> list[dict]:
     return [{"item": k, "value": json.dumps(v) if isinstance(v, dict | list) else v} for k, v in rows.items()]
 
@@ -183,13 +194,23 @@ def _extract_key(ctx, p) -> str:
 
 @task(name="extract", cache_key_fn=_extract_key, tags=["gpu"], **GPU_STAGE)
 def extract_task(config: PipelineConfig, prepared: PreparedData) -> ExtractResult:
+    planned_rate: list[float | None] = []  # tokens/s; the first call's is the plan's, before any model loads
+
     def show_plan(plan) -> None:  # again once the first batches corrected the estimate: the latest version shows
         create_table_artifact(table=table(plan.summary()), key="extraction-plan",
                               description=f"{plan.describe().splitlines()[0]}; estimated time {plan.estimate_text()}")
+        planned_rate.append(plan.pending_tokens / plan.est_seconds if plan.est_seconds else None)
 
     result = run_extraction(_extract_job(config, prepared), on_plan=show_plan,
                             callback=ProgressArtifact("hidden-state extraction"))
     get_run_logger().info("extraction: %s", result)
+    if result.shards_extracted:  # nothing measured when every shard was already on disk
+        manifest = Path(result.manifest)
+        png = tasks.plots.extraction_rate(planned_rate[0], result.steady_tokens_per_s, result.wall_tokens_per_s,
+                                          manifest.with_name(f"{manifest.stem}-rate.png"))
+        show_picture(png, "extraction-rate", "extraction rate, tokens/s: planned "
+                     f"{planned_rate[0] or 0:,.0f}, measured {result.steady_tokens_per_s or 0:,.0f} (steady state), "
+                     f"{result.wall_tokens_per_s or 0:,.0f} (wall)")
     return result
 
 
@@ -234,7 +255,7 @@ def train_task(config: PipelineConfig, prepared: PreparedData, extracted: Extrac
                vocab: VocabResult) -> TrainResult:
     job = _train_job(config, prepared, extracted, vocab)
     result = run_training(job, extracted.fingerprint, vocab.fingerprint, callback=ProgressArtifact("draft training"))
-    metrics = tasks.train.read_metrics(job.out_dir)
+    metrics = tasks.tracking.read_metrics(job.out_dir)
     val = [m for m in metrics if m["split"] == "val"]
     create_table_artifact(
         table=[{k: round(v, 4) if isinstance(v, float) else v for k, v in m.items() if k != "split"} for m in val],
@@ -242,6 +263,9 @@ def train_task(config: PipelineConfig, prepared: PreparedData, extracted: Extrac
         description=f"validation during training; best step {result.best_step}: simulated acceptance length "
                     f"{result.simulated_acceptance_length:.3f} (k={config.train.ttt_steps})",
     )
+    png = tasks.plots.training_curves(metrics, Path(job.out_dir) / "curves.png", result.best_step if val else None)
+    show_picture(png, "training-curves", f"training loss and simulated acceptance length against step; best step "
+                 f"{result.best_step}: {result.simulated_acceptance_length:.3f}")
     get_run_logger().info("draft: %s", result.draft_path)
     return result
 
@@ -262,5 +286,15 @@ def validate_task(config: PipelineConfig, trained: TrainResult, extracted: Extra
                       simulated_acceptance_length=trained.simulated_acceptance_length)
     create_markdown_artifact(markdown=Path(result.report_markdown).read_text(), key="draft-validation",
                              description="static checks and vLLM-measured acceptance")
+    simulated = tasks.train.per_position_acceptance(trained.val_metrics, config.train.ttt_steps) \
+        if trained.val_metrics else []  # train.val_fraction=0: nothing simulated
+    if simulated or result.per_position_acceptance:
+        png = tasks.plots.acceptance_per_position(
+            simulated, result.per_position_acceptance, out / "acceptance.png",
+            simulated_length=trained.simulated_acceptance_length if simulated else None,
+            measured_length=result.mean_acceptance_length)
+        show_picture(png, "draft-acceptance-per-position", "acceptance per draft position; acceptance length "
+                     f"simulated {tasks.validate.fmt(trained.simulated_acceptance_length if simulated else None)}, "
+                     f"vLLM {tasks.validate.fmt(result.mean_acceptance_length)}")
     get_run_logger().info("validation report: %s", result.report_markdown)
     return result

@@ -10,7 +10,9 @@ import pytest
 import yaml
 
 from flow_support import small_config, write_sample_data
+from pictures import colour_pixels
 from prefect_stack import PrefectStack, chromium
+from tasks.plots import TRAIN, VAL
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = ["prepare", "extract", "vocab", "train", "validate"]
@@ -56,8 +58,10 @@ def wait_final(stack: PrefectStack, flow_run_id: str) -> str:
     raise TimeoutError(flow_run_id)
 
 
+@pytest.mark.browser
 def test_deployment_runs_on_a_worker_then_is_cached_and_shows_in_the_ui(stack, sharegpt, tmp_path):
-    config = small_config(tmp_path / "out", write_sample_data(sharegpt, tmp_path / "chats.jsonl", 10))
+    config = small_config(tmp_path / "out", write_sample_data(sharegpt, tmp_path / "chats.jsonl", 10),
+                          train={"log_every": 1})  # a curve, not a dot
     first, output = deployment_run(stack, "eagle3-train", config)
     assert first and wait_final(stack, first) == "Completed", output
     assert states(stack, first) == {s: "Completed" for s in STAGES}
@@ -74,6 +78,18 @@ def test_deployment_runs_on_a_worker_then_is_cached_and_shows_in_the_ui(stack, s
     png = tmp_path / "flow-run.png"
     chromium(url, f"--screenshot={png}")
     assert png.stat().st_size > 20_000
+
+    # the pictures: image artifacts of the first run, drawn in both UIs (the default at /, the new one at /v2)
+    body = {"artifacts": {"flow_run_id": {"any_": [first]}, "type": {"any_": ["image"]}}}
+    pictures = {a["key"]: a["id"] for a in stack.post("/artifacts/filter", body)}
+    assert set(pictures) == {"extraction-rate", "training-curves", "draft-acceptance-per-position"}
+    base = f"http://127.0.0.1:{stack.port}"
+    for ui, url in (("default", f"{base}/artifacts/artifact/{pictures['training-curves']}"),
+                    ("v2", f"{base}/v2/artifacts/artifact/{pictures['training-curves']}")):
+        png = tmp_path / f"training-curves-{ui}-ui.png"
+        chromium(url, f"--screenshot={png}")
+        # the curves' own colours on screen: the picture is drawn, not a broken-image icon
+        assert colour_pixels(png, TRAIN) > 200 and colour_pixels(png, VAL) > 50, (ui, png)
 
 
 def test_invalid_parameters_are_rejected_when_the_run_is_created(stack, tmp_path):

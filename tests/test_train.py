@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 import torch
 
+from pictures import colour_pixels
 from tasks.extract import ExtractJob, run_extraction
+from tasks.plots import TRAIN, VAL, training_curves
 from tasks.prepare import load_prepared, prepare
 from tasks.tracking import read_metrics
 from tasks.train import TrainJob, checkpoint_dirs, run_training, simulated_acceptance_length
@@ -109,6 +111,8 @@ def test_best_checkpoint_is_chosen_by_simulated_acceptance(data, smollm2, tmp_pa
             got = board[f"{split}/{key}"]
             assert [step for step, _ in got] == [m["step"] for m in log], (split, key)
             assert [v for _, v in got] == pytest.approx([m[key] for m in log], rel=1e-6), (split, key)
+    curves = training_curves(read_metrics(tmp_path), tmp_path / "curves.png", result.best_step)
+    assert colour_pixels(curves, TRAIN) > 1000 and colour_pixels(curves, VAL) > 500  # both splits drawn
 
 
 def test_simulated_acceptance_length_chains_conditional_accuracies():
