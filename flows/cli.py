@@ -1,12 +1,15 @@
 """Command line: `eagle3-pipeline run CONFIG.yaml [--set section.key=value ...]`.
 
-Runs the flow in-process on Prefect's ephemeral server (no server to start). Unless PREFECT_HOME
-is set, Prefect's database and result store live in `<output_dir>/.prefect`, so runs of one
-output folder share a cache and nothing leaks into ~/.prefect.
+`run` runs the flow in-process on Prefect's ephemeral server (no server to start). Unless
+PREFECT_HOME is set, Prefect's database and result store live in `<output_dir>/.prefect`, so runs
+of one output folder share a cache and nothing leaks into ~/.prefect.
+`config` prints the validated config (`--json`: one line, for `prefect deployment run --param`);
+`plan` sizes a run on any machine (tasks/sizing.py); `prune-shards` frees stale shards.
 
 Exit status: 0 done; 2 a problem a retry cannot fix (a bad config, a missing or empty input, an
 unwritable output folder, a deterministic failure in a stage), named in one `error:` line; 1 a
-stage that still failed after its retries.
+stage that still failed after its retries, or for `plan`, an extraction this machine's disk or
+memory could not hold.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from flows.prefect_env import use_private_prefect_home
 from tasks.config import ConfigError, load_config
 from tasks.demo_assets import resolve_config
 from tasks.errors import PermanentError, describe, is_deterministic
-from tasks.preflight import check_before_run
+from tasks.preflight import check_before_run, check_data, check_writable
 
 
 def parse_overrides(items: list[str]) -> dict:
@@ -47,9 +50,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="eagle3-pipeline", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the pipeline flow on a config file")
-    run.add_argument("config", help="YAML config (see deployments/)")
-    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a setting, e.g. --set train.epochs=2 (repeatable)")
+    show = sub.add_parser("config", help="print a config file validated, every default filled in")
+    show.add_argument("--json", action="store_true", help="as one line of JSON (for `--param config=...`)")
+    plan = sub.add_parser("plan", help="print the extraction plan of a config without loading the verifier "
+                          "(config.json and tokenizer files suffice): tokens, disk, shards, host memory, time; "
+                          "exits 1 when extraction would refuse to start on this machine (disk, host memory)")
+    plan.add_argument("--gpu-tflops", type=float,
+                      help="dense bf16 TFLOP/s of the GPU the run will get, for the time estimate "
+                           "(default: an H100/H200 SXM's)")
+    plan.add_argument("--json", action="store_true", help="the plan as JSON")
+    for command in (run, show, plan):
+        command.add_argument("config", help="YAML config (see deployments/)")
+        command.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                             help="override a setting, e.g. --set train.epochs=2 (repeatable)")
     run.add_argument("--refresh", action="store_true",
                      help="ignore Prefect's task cache (stages still reuse valid outputs on disk)")
     prune = sub.add_parser("prune-shards", help="delete hidden-state shards no extraction manifest lists")
@@ -67,9 +80,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         config = load_config(args.config, parse_overrides(args.overrides))
+        if args.command == "config":  # as written: demo:// and relative paths stay for the worker to resolve
+            print(config.model_dump_json() if args.json
+                  else yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False).rstrip())
+            return 0
         output = Path(config.output_dir).resolve()
         config = config.model_copy(update={"output_dir": str(output)})  # results name absolute paths
         resolved = resolve_config(config)
+        if args.command == "plan":
+            return print_plan(resolved, args.gpu_tflops, args.json)
         check_before_run(resolved)
     except PermanentError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -93,6 +112,17 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(summary, indent=1, default=str))
     print(f"eagle3-pipeline: done in {time.monotonic() - t0:.0f} s; outputs under {output}")
     return 0
+
+
+def print_plan(config, gpu_tflops: float | None, as_json: bool) -> int:
+    """The checks a plan can make without weights (data, output folder), then the plan."""
+    from tasks.sizing import H100_BF16_TFLOPS, size_run
+
+    check_data(config)
+    check_writable(Path(config.output_dir), "output_dir")
+    sizing = size_run(config, gpu_tflops or H100_BF16_TFLOPS)
+    print(json.dumps(sizing.summary(), indent=1) if as_json else sizing.describe())
+    return 1 if sizing.problems else 0
 
 
 # the flow's result keys -> the task that produced each

@@ -77,3 +77,17 @@ def test_empty_cache_variables_count_as_unset(monkeypatch, tmp_path):
     assert cache_dir() == tmp_path / ".cache" / "eagle3-pipeline"
     monkeypatch.setenv("EAGLE3_CACHE_DIR", str(tmp_path / "assets"))
     assert cache_dir() == tmp_path / "assets"
+
+
+def test_cli_prints_a_config_as_json_for_deployment_parameters(tmp_path, capsys):
+    from tasks.config import PipelineConfig
+
+    for preset in sorted(DEPLOYMENTS.glob("*.yaml")):
+        assert main(["config", str(preset), "--json", "--set", "train.epochs=3"]) == 0
+        out = capsys.readouterr().out
+        assert len(out.splitlines()) == 1  # one line: fits `--param config="$(...)"`
+        config = PipelineConfig.model_validate_json(out)
+        assert config == load_config(preset, {"train": {"epochs": 3}})
+    assert main(["config", str(write(tmp_path, BASE + "train: {lr: -1}")), "--json"]) == 2
+    captured = capsys.readouterr()
+    assert "train.lr" in captured.err and captured.out == ""
