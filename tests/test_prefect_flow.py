@@ -104,7 +104,8 @@ def test_transient_failure_succeeds_on_retry(prefect_api, workspace):
             deadline = time.monotonic() + 300
             while time.monotonic() < deadline and not released.is_set():
                 runs = client.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_="vocab")))
-                if any(r.state.name == "AwaitingRetry" for r in runs):
+                # a task run can be read before its first state is recorded (state None)
+                if any(r.state is not None and r.state.name == "AwaitingRetry" for r in runs):
                     blocked.unlink()
                     released.set()
                 time.sleep(0.2)
