@@ -38,7 +38,8 @@ from flows.cli import parse_overrides  # noqa: E402
 from tasks.config import TrainSettings  # noqa: E402
 from tasks.extract import ExtractJob, run_extraction  # noqa: E402
 from tasks.prepare import prepare  # noqa: E402
-from tasks.train import TrainJob, evaluate_draft, read_metrics, run_training, simulated_acceptance_length  # noqa: E402
+from tasks.tracking import read_metrics  # noqa: E402
+from tasks.train import TrainJob, evaluate_draft, run_training, simulated_acceptance_length  # noqa: E402
 
 K = 3  # vLLM's num_speculative_tokens in the validation stage
 

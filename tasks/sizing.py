@@ -2,7 +2,7 @@
 the verifier's config.json and tokenizer files alone (no weights, no model load, no GPU).
 
     prepare (tokenize the chat data: the tokenizer is all it loads) -> the extraction plan
-    (tasks/extract.py: tokens, bytes, shards, host memory, free disk) -> a time estimate for the
+    (tasks/extract_plan.py: tokens, bytes, shards, host memory, free disk) -> a time estimate for the
     GPU the run will get, next to the plan's own estimate for this machine.
 
 With regeneration on, the plan counts the tokens of the answers in the data as it is; the run
@@ -16,12 +16,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tasks.config import PipelineConfig
-from tasks.extract import ExtractError, ExtractionPlan, check_disk, check_host_memory, make_plan
+from tasks.extract_plan import ExtractError, ExtractionPlan, check_disk, check_host_memory, make_plan
 from tasks.prepare import PreparedData, load_prepared, prepare
 from tasks.progress import format_seconds
 from tasks.verifier import VerifierInfo, inspect_verifier, read_config, text_config
 
-# Dense bf16 TFLOP/s of an H100 / H200 SXM; the plan assumes 40% of it, as tasks/extract.py's
+# Dense bf16 TFLOP/s of an H100 / H200 SXM; the plan assumes 40% of it, as tasks/extract_plan.py's
 # estimate assumes 40% of the matmul rate it measures.
 H100_BF16_TFLOPS = 989.0
 UTILIZATION = 0.4
@@ -61,7 +61,7 @@ def parameter_count(verifier: VerifierInfo) -> tuple[int, str]:
     """The verifier's parameters: from its weight files, else the safetensors index's total size,
     else a dense decoder's count from config.json (embeddings, attention, gated MLP)."""
     if verifier.weight_bytes:
-        return verifier.weight_bytes // 2, "weights"  # what tasks/extract.py's estimate assumes (bf16)
+        return verifier.weight_bytes // 2, "weights"  # what tasks/extract_plan.py's estimate assumes (bf16)
     index = verifier.path / "model.safetensors.index.json"
     if index.is_file():
         return json.loads(index.read_text())["metadata"]["total_size"] // 2, "safetensors index"
