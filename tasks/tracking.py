@@ -23,9 +23,9 @@ class TrainingLog:
     def __init__(self, out_dir: str | Path, start_step: int, tensorboard: bool = True):
         self.path = Path(out_dir) / METRICS_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.path.is_file():
-            kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= start_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
+        if self.path.is_file():  # a resume: drop what the killed process wrote past its checkpoint
+            kept = [x for x in self.path.read_text().splitlines() if x and json.loads(x)["step"] <= start_step]
+            self.path.write_text("".join(x + "\n" for x in kept))
         self.board = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
