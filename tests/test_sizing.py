@@ -67,3 +67,10 @@ def test_the_one_gpu_preset_is_planned_on_cpu_without_weights(config_only, tmp_p
 
     code, text = plan(capsys, *settings[:-1], "extract.reserve_disk_gb=1000000", json_output=False)
     assert code == 1 and "extraction would refuse to start: not enough disk" in text
+
+
+def test_plan_names_a_missing_verifier_folder(tmp_path, capsys):
+    code = main(["plan", str(PRESET), "--set", f"verifier.path={tmp_path / 'absent'}",
+                 "--set", f"output_dir={tmp_path / 'out'}"])
+    assert code == 2 and "verifier folder not found" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
