@@ -89,7 +89,7 @@ def test_deployment_runs_on_a_worker_then_is_cached_and_shows_in_the_ui(stack, s
         png = tmp_path / f"training-curves-{ui}-ui.png"
         chromium(url, f"--screenshot={png}")
         # the curves' own colours on screen: the picture is drawn, not a broken-image icon
-        assert colour_pixels(png, TRAIN) > 200 and colour_pixels(png, VAL) > 50, (ui, png)
+        assert colour_pixels(png, TRAIN) > 200 and colour_pixels(png, VAL) > 30, (ui, png)
 
 
 def test_invalid_parameters_are_rejected_when_the_run_is_created(stack, tmp_path):
