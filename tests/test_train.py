@@ -122,9 +122,10 @@ def test_simulated_acceptance_length_chains_conditional_accuracies():
 
 @pytest.fixture(scope="module")
 def varied_data(smollm2, sharegpt, tmp_path_factory):
-    """Samples of varied lengths (up to 256 tokens): packing them differs from epoch to epoch."""
+    """Samples of varied lengths (up to 384 tokens; most ShareGPT conversations are longer and are cut
+    there, so enough rows that a few shorter ones vary the packing from epoch to epoch)."""
     root = tmp_path_factory.mktemp("varied-data")
-    prepared = prepare(smollm2, [sharegpt], root, max_seq_len=256, max_rows=40)
+    prepared = prepare(smollm2, [sharegpt], root, max_seq_len=384, max_rows=48)
     extraction = run_extraction(ExtractJob(prepared.path, prepared.fingerprint, smollm2, str(root / "hs"),
                                            settings={"batch_tokens": 2048, "shard_tokens": 3000}), in_process=True)
     vocab = build_vocab(prepared.path, prepared.fingerprint, smollm2, root, draft_vocab_size=1024)
@@ -137,7 +138,7 @@ def test_kill_then_resume_across_uneven_epochs_reproduces_the_uninterrupted_run(
     from tasks.shards import ShardReader
     from tasks.train_data import StepBatches, split_indices
 
-    epochs, total_seq_len = 4, 512
+    epochs, total_seq_len, eval_every = 3, 512, 8
     reader = ShardReader(varied_data[1].manifest)
     train_idx, _ = split_indices(reader.sample_ids, FAST["val_fraction"])
     lengths = [reader.lengths[i] for i in train_idx]
@@ -147,8 +148,8 @@ def test_kill_then_resume_across_uneven_epochs_reproduces_the_uninterrupted_run(
 
     seed = next(s for s in range(50) if min(steps(s)[1:]) < steps(s)[0])  # a later epoch packs fewer steps
     per_epoch = steps(seed)
-    settings = {"epochs": epochs, "total_seq_len": total_seq_len, "seed": seed}
-    assert per_epoch[0] > FAST["eval_every"]  # the first checkpoint lies inside the first epoch
+    settings = {"epochs": epochs, "total_seq_len": total_seq_len, "seed": seed, "eval_every": eval_every}
+    assert per_epoch[0] > eval_every  # the first checkpoint lies inside the first epoch
 
     events = []
     reference = tmp_path / "reference"
