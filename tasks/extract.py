@@ -37,59 +37,80 @@ from tasks.extract_plan import (
     existing_shards,
     make_plan,
 )
+from tasks.folder_lock import folder_lock
 from tasks.progress import ProgressCallback, ProgressEvent
 from tasks.shard_writer import extract_shards
-from tasks.shards import SHARD_FORMAT, Journal, fsync_dir, read_metadata, unchanged_since_journal, verify_shard
+from tasks.shards import (
+    SHARD_FORMAT,
+    Journal,
+    ShardError,
+    fsync_dir,
+    read_metadata,
+    unchanged_since_journal,
+    verify_shard,
+)
 from tasks.subprocess_runs import progress_file_callback, reporting_errors, run_processes
 from tasks.verifier import VerifierInfo, inspect_verifier
 
 log = logging.getLogger(__name__)
 
 
-def verify_extraction(plan: ExtractionPlan, prepared, out_dir: Path, *, full: bool = True) -> None:
+def verify_extraction(plan: ExtractionPlan, prepared, out_dir: Path, *, full: bool = True) -> list[str]:
     """Every prepared sample present exactly once, in shards of this plan, shaped [T, 4, H],
     finite, with the stored token ids equal to the prepared input_ids. `full` re-reads every
     byte against its checksum; otherwise a shard unchanged since its journal line is trusted
-    (its states were checked finite and checksummed when written)."""
+    (its states were checked finite and checksummed when written). Returns the names of the
+    shards that fail (each is logged with the reason): damaged since written, to be redone."""
     journal = Journal(out_dir).entries()
     seen: dict[str, int] = {}
+    bad: list[str] = []
     for spec in plan.shards:
         path = out_dir / spec.name
-        if not path.is_file():
-            raise ExtractError(f"verification: {spec.name} is missing")
-        if full or not unchanged_since_journal(path, journal.get(spec.name)):
-            tensors = verify_shard(path, spec)
-        else:
-            from safetensors import safe_open
-
-            if read_metadata(path).get("fingerprint") != spec.fingerprint:
-                raise ExtractError(f"verification: {spec.name} has another fingerprint")
-            with safe_open(str(path), "pt") as f:
-                tensors = {k: f.get_tensor(k) for k in ("input_ids", "offsets")}
-                tensors["hidden_states"] = f.get_slice("hidden_states")
-        hs = tensors["hidden_states"]
-        shape = list(hs.shape) if isinstance(hs, torch.Tensor) else hs.get_shape()
-        if shape != [spec.tokens, LAYERS_STORED, plan.hidden_size]:
-            raise ExtractError(f"verification: {spec.name} hidden_states {shape}, "
-                               f"expected [{spec.tokens}, {LAYERS_STORED}, {plan.hidden_size}]")
-        if isinstance(hs, torch.Tensor) and not torch.isfinite(hs).all():
-            raise ExtractError(f"verification: {spec.name} holds non-finite values")
-        offsets = tensors["offsets"].tolist()
-        stored = tensors["input_ids"]
-        for i, r in enumerate(spec.rows):
-            expected = torch.tensor(prepared[r]["input_ids"], dtype=torch.int32)
-            if not torch.equal(stored[offsets[i]: offsets[i + 1]], expected):
-                raise ExtractError(f"verification: {spec.name} sample {spec.sample_ids[i]} token ids differ "
-                                   "from the prepared input_ids")
-            seen[spec.sample_ids[i]] = seen.get(spec.sample_ids[i], 0) + 1
+        try:
+            check_shard(spec, path, plan, prepared, full or not unchanged_since_journal(path, journal.get(spec.name)))
+        except ShardError as e:
+            log.warning("verification: %s", e)
+            bad.append(spec.name)
+            continue
+        for sample_id in spec.sample_ids:
+            seen[sample_id] = seen.get(sample_id, 0) + 1
     missing = set(prepared["sample_id"]) - set(seen)
     doubled = [s for s, n in seen.items() if n > 1]
-    if missing or doubled or len(seen) != len(prepared):
+    if not bad and (missing or doubled or len(seen) != len(prepared)):
         raise ExtractError(f"verification: {len(missing)} samples missing, {len(doubled)} present more than once")
+    return bad
+
+
+def check_shard(spec, path: Path, plan: ExtractionPlan, prepared, full: bool) -> None:
+    """One shard of the plan, read in full against its checksum or (not `full`) its header and token ids."""
+    if not path.is_file():
+        raise ShardError(f"{spec.name} is missing")
+    if full:
+        tensors = verify_shard(path, spec)
+    else:
+        from safetensors import safe_open
+
+        if read_metadata(path).get("fingerprint") != spec.fingerprint:
+            raise ShardError(f"{spec.name} has another fingerprint")
+        with safe_open(str(path), "pt") as f:
+            tensors = {k: f.get_tensor(k) for k in ("input_ids", "offsets")}
+            tensors["hidden_states"] = f.get_slice("hidden_states")
+    hs = tensors["hidden_states"]
+    shape = list(hs.shape) if isinstance(hs, torch.Tensor) else hs.get_shape()
+    if shape != [spec.tokens, LAYERS_STORED, plan.hidden_size]:
+        raise ShardError(f"{spec.name} hidden_states {shape}, expected [{spec.tokens}, {LAYERS_STORED}, "
+                         f"{plan.hidden_size}]")
+    if isinstance(hs, torch.Tensor) and not torch.isfinite(hs).all():
+        raise ShardError(f"{spec.name} holds non-finite values")
+    offsets = tensors["offsets"].tolist()
+    stored = tensors["input_ids"]
+    for i, r in enumerate(spec.rows):
+        expected = torch.tensor(prepared[r]["input_ids"], dtype=torch.int32)
+        if not torch.equal(stored[offsets[i]: offsets[i + 1]], expected):
+            raise ShardError(f"{spec.name} sample {spec.sample_ids[i]}: token ids differ from the prepared input_ids")
 
 
 def write_manifest(plan: ExtractionPlan, prepared_fp: str, out_dir: Path, lengths) -> Path:
-    journal = Journal(out_dir).entries()
     manifest = {
         "format": SHARD_FORMAT,
         "extraction_fingerprint": plan.fingerprint,
@@ -102,15 +123,18 @@ def write_manifest(plan: ExtractionPlan, prepared_fp: str, out_dir: Path, length
         "samples": plan.samples,
         "tokens": plan.tokens,
         "shards": [
-            {"name": s.name, "fingerprint": s.fingerprint, "checksum": journal.get(s.name, {}).get("checksum"),
+            {"name": s.name, "fingerprint": s.fingerprint, "checksum": read_metadata(out_dir / s.name)["checksum"],
              "tokens": s.tokens, "rows": list(s.rows), "sample_ids": list(s.sample_ids),
              "lengths": [lengths[r] for r in s.rows]}
             for s in plan.shards
         ],
     }
     path = manifest_path(out_dir, plan.fingerprint, prepared_fp)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(manifest))
+    tmp = path.with_name(f".tmp-{path.name}")
+    with tmp.open("w") as f:
+        f.write(json.dumps(manifest))
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(out_dir)
     return path
@@ -207,12 +231,21 @@ def run_worker(job: ExtractJob, rank: int = 0, world_size: int = 1,
 def run_extraction(job: ExtractJob, *, in_process: bool = False, callback: ProgressCallback | None = None,
                    on_plan=None) -> ExtractResult:
     """The whole stage: plan (refusing if the disk cannot hold it), extract the pending shards
-    with `settings.workers` worker processes (or here, `in_process`), verify, write the manifest.
+    with `settings.workers` worker processes (or here, `in_process`), verify (redoing a shard
+    damaged since it was written), write the manifest. One run per output folder at a time.
     `on_plan(plan)` is called with the plan before any model loads, and again once the first
     measured batches have corrected its time estimate."""
+    with folder_lock(job.out_dir, "extraction") as lock_fd:
+        return _run_extraction(job, in_process, callback, on_plan, lock_fd)
+
+
+def _run_extraction(job: ExtractJob, in_process: bool, callback: ProgressCallback | None, on_plan,
+                    lock_fd: int) -> ExtractResult:
     t0 = time.monotonic()
     s = job.extract_settings
     out_dir = Path(job.out_dir)
+    for partial in out_dir.glob(".tmp-*"):  # left by a killed run; no other run writes here (the lock)
+        partial.unlink(missing_ok=True)
     prepared, verifier, layers = load_inputs(job)
     plan = make_plan(prepared, verifier, layers, out_dir, compute_dtype=job.compute_dtype,
                      shard_tokens=s.shard_tokens)
@@ -236,21 +269,26 @@ def run_extraction(job: ExtractJob, *, in_process: bool = False, callback: Progr
     t_extract = time.monotonic()
     if not plan.pending:
         log.info("all %d shards are complete: the verifier is not loaded", len(plan.shards))
-    elif in_process:
-        run_worker(job, callback=remember)
     else:
-        run_worker_processes(job, s.workers, remember)
+        extract_pending(job, plan, out_dir, in_process, remember, lock_fd)
     extract_s = time.monotonic() - t_extract
     steady = last[0].rate if last else None
     if pending_tokens:
         log.info("extracted %s tokens in %.1f s wall (%s tokens/s; start-up and verifier load included), steady "
                  "state %s tokens/s", f"{pending_tokens:,}", extract_s, f"{pending_tokens / extract_s:,.0f}",
                  f"{steady:,.0f}" if steady else "n/a")
-    plan.done, plan.stale_bytes = existing_shards(out_dir, plan.shards)
-    if plan.pending:
-        raise ExtractError(f"{len(plan.pending)} shards are still missing after extraction, e.g. {plan.pending[0].name}")
     t_verify = time.monotonic()
-    verify_extraction(plan, prepared, out_dir, full=s.verify == "full")
+    damaged = verify_extraction(plan, prepared, out_dir, full=s.verify == "full")
+    if damaged:  # changed since written (bit rot, a copy that kept size and mtime): redone, never used
+        log.warning("final verification: %d shard(s) damaged since they were written are redone: %s",
+                    len(damaged), ", ".join(damaged))
+        for name in damaged:
+            (out_dir / name).unlink(missing_ok=True)
+        extract_pending(job, plan, out_dir, in_process, remember, lock_fd)
+        shards_pending += len(damaged)
+        pending_tokens += sum(spec.tokens for spec in plan.shards if spec.name in damaged)
+        if still := verify_extraction(plan, prepared, out_dir, full=True):
+            raise ExtractError(f"verification: {', '.join(still)} failed again after being redone (see the log)")
     manifest = write_manifest(plan, job.prepared_fingerprint, out_dir, prepared["seq_len"])
     log.info("extraction verified in %.1f s (%s): %d samples, %d tokens, %d shards -> %s",
              time.monotonic() - t_verify, "every byte" if s.verify == "full" else "journal + tokens",
@@ -267,11 +305,25 @@ def run_extraction(job: ExtractJob, *, in_process: bool = False, callback: Progr
     )
 
 
-def run_worker_processes(job: ExtractJob, workers: int, callback: ProgressCallback | None) -> None:
+def extract_pending(job: ExtractJob, plan: ExtractionPlan, out_dir: Path, in_process: bool,
+                    callback: ProgressCallback, lock_fd: int) -> None:
+    """Extract the shards missing from `out_dir` (here or in worker processes); all present after."""
+    if in_process:
+        run_worker(job, callback=callback)
+    else:
+        run_worker_processes(job, job.extract_settings.workers, callback, lock_fd)
+    plan.done, plan.stale_bytes = existing_shards(out_dir, plan.shards)
+    if plan.pending:
+        raise ExtractError(f"{len(plan.pending)} shards are still missing after extraction, e.g. {plan.pending[0].name}")
+
+
+def run_worker_processes(job: ExtractJob, workers: int, callback: ProgressCallback | None,
+                         lock_fd: int | None = None) -> None:
     """`workers` subprocesses (`python -m tasks.extract`), each its own GPUs; their progress
     files are followed and merged into one report. A crash, OOM or CUDA abort fails this call,
     not the caller's process, and the shards already written stay valid for the retry; a
-    worker's exception is raised here as it was raised there (tasks/subprocess_runs.py)."""
+    worker's exception is raised here as it was raised there (tasks/subprocess_runs.py). The
+    workers inherit the folder's lock (`lock_fd`): it is held while any of them runs."""
     out_dir = Path(job.out_dir)
     progress_dir = out_dir / "progress"
     progress_dir.mkdir(parents=True, exist_ok=True)
@@ -292,7 +344,8 @@ def run_worker_processes(job: ExtractJob, workers: int, callback: ProgressCallba
                          "--world-size", str(workers), "--progress-file", str(progress_file)])
         envs.append(env)
         progress_files.append(progress_file)
-    run_processes(commands, progress_files, callback, envs, label="extraction worker")
+    run_processes(commands, progress_files, callback, envs, label="extraction worker",
+                  pass_fds=(lock_fd,) if lock_fd else ())
 
 
 def main(argv: list[str] | None = None) -> int:

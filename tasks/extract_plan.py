@@ -25,7 +25,16 @@ import xxhash
 
 from tasks.errors import PermanentError
 from tasks.progress import format_seconds
-from tasks.shards import SHARD_FORMAT, Journal, ShardError, ShardSpec, unchanged_since_journal, verify_shard
+from tasks.shards import (
+    SHARD_FORMAT,
+    Journal,
+    ShardError,
+    ShardSpec,
+    journal_line,
+    read_metadata,
+    unchanged_since_journal,
+    verify_shard,
+)
 from tasks.verifier import VerifierInfo, verifier_fingerprint
 
 log = logging.getLogger(__name__)
@@ -183,23 +192,27 @@ def make_plan(prepared, verifier: VerifierInfo, layers: list[int], out_dir: Path
 
 def existing_shards(out_dir: Path, shards: list[ShardSpec]) -> tuple[list[str], int]:
     """Names of planned shards on disk and valid, and the bytes of shard files of other inputs.
-    A shard unchanged since its journal line was verified when written; others are read in full."""
-    journal = Journal(out_dir).entries()
+    A shard unchanged since its journal line was verified when written; others are read in full,
+    and journaled again when they pass (a lost or damaged journal is rebuilt this way)."""
+    journal = Journal(out_dir)
+    entries = journal.entries()
     planned = {s.name: s for s in shards}
     done = []
     for spec in shards:
         path = out_dir / spec.name
         if not path.exists():
             continue
-        if unchanged_since_journal(path, journal.get(spec.name)):
+        if unchanged_since_journal(path, entries.get(spec.name)):
             done.append(spec.name)
             continue
         try:
             verify_shard(path, spec)
-            done.append(spec.name)
         except ShardError as e:
             log.warning("redoing %s", e)
-            path.unlink()
+            path.unlink(missing_ok=True)
+            continue
+        journal.append(journal_line(path, read_metadata(path)["checksum"], spec))
+        done.append(spec.name)
     stale = sum(p.stat().st_size for p in out_dir.glob("shard-*.safetensors") if p.name not in planned)
     return done, stale
 

@@ -11,20 +11,30 @@ shard's name is complete or absent; the checksum catches later damage.
 
 Every writer also appends a line per finished shard to its own journal (`journal/*.jsonl`): name,
 size, mtime and checksum. On resume, a shard whose size and mtime still match its journal line
-was verified when written and is trusted without re-reading it; any other is verified in full.
+was verified when written and is trusted without re-reading it; any other is verified in full
+(and journaled again when it passes). A damaged journal file is discarded, which only costs
+that full verification.
+
+Readers (training) check every shard against the manifest before using it: the fingerprint the
+manifest lists, every byte against the checksum, once per shard and process.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
 import socket
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import xxhash
 from safetensors import safe_open
+
+log = logging.getLogger(__name__)
 
 SHARD_FORMAT = "eagle3-hidden-states-v1"
 TENSOR_ORDER = ("hidden_states", "input_ids", "offsets")  # the order the checksum covers
@@ -57,9 +67,21 @@ def tensors_checksum(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def file_checksum(f, rows_per_read: int = 16384) -> str:
+    """`tensors_checksum` of an open shard, read a slice at a time (memory stays bounded)."""
+    h = xxhash.xxh3_128()
+    for key in TENSOR_ORDER:
+        tensor = f.get_slice(key)
+        rows = tensor.get_shape()[0] if tensor.get_shape() else 0
+        for start in range(0, rows, rows_per_read):
+            h.update(tensor[start: start + rows_per_read].contiguous().view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
 def write_shard(path: Path, spec: ShardSpec, hidden_states: torch.Tensor, input_ids: torch.Tensor,
                 offsets: torch.Tensor, extra_metadata: dict[str, str]) -> dict:
-    """Write atomically (temporary name, fsync, rename, fsync the folder); returns the journal line."""
+    """Write atomically (temporary name, fsync, rename, fsync the folder); returns the journal line.
+    A full disk fails with a ShardError naming the folder, and no partial file stays behind."""
     tensors = {"hidden_states": hidden_states.contiguous(), "input_ids": input_ids.to(torch.int32).contiguous(),
                "offsets": offsets.to(torch.int64).contiguous()}
     checksum = tensors_checksum(tensors)
@@ -73,15 +95,28 @@ def write_shard(path: Path, spec: ShardSpec, hidden_states: torch.Tensor, input_
         **extra_metadata,
     }
     tmp = path.with_name(f".tmp-{path.name}.{socket.gethostname()}.{os.getpid()}")
-    with tmp.open("wb") as f:
-        write_safetensors(f, tensors, metadata)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with tmp.open("wb") as f:
+            write_safetensors(f, tensors, metadata)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise ShardError(f"writing {path.name} to {path.parent} failed: {e.strerror or e} "
+                         f"({disk_free(path.parent) / 1e6:,.0f} MB free on that disk)") from e
     os.replace(tmp, path)
     fsync_dir(path.parent)
+    return journal_line(path, checksum, spec)
+
+
+def journal_line(path: Path, checksum: str, spec: ShardSpec) -> dict:
     stat = path.stat()
     return {"name": path.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "checksum": checksum,
             "fingerprint": spec.fingerprint, "tokens": spec.tokens, "samples": len(spec.rows)}
+
+
+def disk_free(folder: Path) -> int:
+    return shutil.disk_usage(folder).free
 
 
 SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.int32: "I32", torch.int64: "I64", torch.float32: "F32"}
@@ -146,6 +181,9 @@ def verify_shard(path: Path, spec: ShardSpec) -> dict[str, torch.Tensor]:
     return tensors
 
 
+JOURNAL_FIELDS = {"name": str, "size": int, "mtime_ns": int, "checksum": str}
+
+
 class Journal:
     """Append-only record of finished shards, one file per writer process."""
 
@@ -161,16 +199,42 @@ class Journal:
             os.fsync(f.fileno())
 
     def entries(self) -> dict[str, dict]:
-        """Latest line per shard name; a torn last line (crash mid-append) is ignored."""
+        """The newest line (by the mtime it records) per shard name. A torn last line (a crash mid-append) is ignored; a file with
+        any other unreadable line is damaged: it is discarded (deleted), and the shards it listed
+        are then verified in full by whoever needs them."""
         out: dict[str, dict] = {}
         for path in sorted(self.folder.glob("*.jsonl")) if self.folder.is_dir() else []:
-            for line in path.read_text().splitlines():
-                try:
-                    entry = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                out[entry["name"]] = entry
+            try:
+                entries = parse_journal(path.read_bytes())
+            except ValueError as e:
+                log.warning("journal %s is damaged (%s): discarded; the shards it listed are verified in full", path, e)
+                path.unlink(missing_ok=True)
+                continue
+            for entry in entries:
+                if entry["mtime_ns"] >= out.get(entry["name"], entry)["mtime_ns"]:
+                    out[entry["name"]] = entry
         return out
+
+
+def parse_journal(data: bytes) -> list[dict]:
+    """The entries of one journal file; ValueError names the first line that is not one."""
+    lines = data.split(b"\n")
+    torn = lines.pop()  # after the last newline: empty, or the line a crash cut off
+    entries = []
+    for number, line in enumerate(lines, 1):
+        try:
+            entry = json.loads(line)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise ValueError(f"line {number} is not JSON") from None
+        if not isinstance(entry, dict):
+            raise ValueError(f"line {number} is not an object")
+        wrong = [k for k, kind in JOURNAL_FIELDS.items() if not isinstance(entry.get(k), kind)]
+        if wrong:
+            raise ValueError(f"line {number} lacks a valid {', '.join(wrong)}")
+        entries.append(entry)
+    if torn:
+        log.info("journal: ignoring a last line cut off by a crash (%d bytes)", len(torn))
+    return entries
 
 
 def unchanged_since_journal(path: Path, entry: dict | None) -> bool:
@@ -180,12 +244,37 @@ def unchanged_since_journal(path: Path, entry: dict | None) -> bool:
     return stat.st_size == entry["size"] and stat.st_mtime_ns == entry["mtime_ns"]
 
 
+def read_manifest(path: str | Path) -> dict:
+    """An extraction manifest, or a ShardError saying why it cannot be used."""
+    path = Path(path)
+    if not path.is_file():
+        raise ShardError(f"extraction manifest not found: {path} (deleted after it was cached? re-run with --refresh)")
+    try:
+        manifest = json.loads(path.read_bytes())
+        if not isinstance(manifest, dict) or manifest.get("format") != SHARD_FORMAT:
+            raise ValueError(f"not a {SHARD_FORMAT} manifest")
+        for shard in manifest["shards"]:
+            if not all(shard[k] is not None for k in ("name", "fingerprint", "checksum")):
+                raise ValueError(f"shard entry without a name, fingerprint or checksum: {shard.get('name')}")
+            if len(shard["sample_ids"]) != len(shard["lengths"]):
+                raise ValueError(f"{shard['name']}: sample ids and lengths disagree")
+    except (UnicodeDecodeError, json.JSONDecodeError, ValueError, KeyError, TypeError) as e:
+        raise ShardError(f"extraction manifest {path} is damaged ({type(e).__name__}: {e}); re-running the "
+                         "extraction verifies the shards and writes it again (--refresh)") from None
+    return manifest
+
+
 class ShardReader:
-    """Random access to samples across a manifest's shards (memory-mapped, nothing preloaded)."""
+    """Random access to samples across a manifest's shards (memory-mapped, nothing preloaded).
+
+    No byte of a shard is used before the shard was checked against the manifest (`verify`):
+    it is the file the manifest lists (its fingerprint), undamaged (every byte against the
+    checksum) and shaped as listed. That costs one read of each shard per process; a file
+    changed on disk since (size, mtime or inode) is checked again when next opened."""
 
     def __init__(self, manifest_path: str | Path):
         self.manifest_path = Path(manifest_path)
-        self.manifest = json.loads(self.manifest_path.read_text())
+        self.manifest = read_manifest(self.manifest_path)
         self.folder = self.manifest_path.parent
         self.index: list[tuple[int, int]] = []  # sample -> (shard number, position in shard)
         self.sample_ids: list[str] = []
@@ -196,15 +285,49 @@ class ShardReader:
             self.lengths.extend(shard["lengths"])
         self._files: dict[int, object] = {}
         self._offsets: dict[int, list[int]] = {}
+        self.verified: dict[int, tuple[int, int, int]] = {}  # shard number -> (size, mtime_ns, inode) checked
 
     def __len__(self) -> int:
         return len(self.index)
 
+    def path(self, s: int) -> Path:
+        return self.folder / self.manifest["shards"][s]["name"]
+
+    def verify(self, shards: Iterable[int] | None = None) -> None:
+        """Check shards (all by default) against the manifest; a ShardError names the first that fails."""
+        for s in range(len(self.manifest["shards"])) if shards is None else shards:
+            self._files.pop(s, None)
+            self.verified[s] = self._check(s)
+
+    def _check(self, s: int) -> tuple[int, int, int]:
+        listed, path = self.manifest["shards"][s], self.path(s)
+        where = f"{path} (listed in {self.manifest_path.name})"
+        if not path.is_file():
+            raise ShardError(f"{where} is missing")
+        stat = path.stat()
+        meta = read_metadata(path)
+        if meta.get("fingerprint") != listed["fingerprint"]:
+            raise ShardError(f"{where} is a shard of other inputs (fingerprint {meta.get('fingerprint', '?')[:16]}, "
+                             f"the manifest lists {listed['fingerprint'][:16]}): re-run the extraction")
+        try:
+            with safe_open(str(path), "pt") as f:
+                shape = f.get_slice("hidden_states").get_shape()
+                checksum = file_checksum(f)
+        except Exception as e:
+            raise ShardError(f"{where} is unreadable ({e})") from None
+        if checksum != listed["checksum"] or checksum != meta.get("checksum"):
+            raise ShardError(f"{where} is damaged (checksum mismatch): re-run the extraction to redo it")
+        expected = [sum(listed["lengths"]), len(self.manifest["layers"]), self.manifest["hidden_size"]]
+        if shape != expected:
+            raise ShardError(f"{where} holds hidden_states {shape}, the manifest expects {expected}")
+        return stat.st_size, stat.st_mtime_ns, stat.st_ino
+
     def _open(self, s: int):
         if s not in self._files:
-            path = self.folder / self.manifest["shards"][s]["name"]
-            if not path.is_file():
-                raise ShardError(f"{path} listed in {self.manifest_path.name} is missing")
+            path = self.path(s)
+            stat = path.stat() if path.is_file() else None
+            if stat is None or self.verified.get(s) != (stat.st_size, stat.st_mtime_ns, stat.st_ino):
+                self.verify([s])
             f = safe_open(str(path), "pt")
             self._files[s] = f
             self._offsets[s] = f.get_tensor("offsets").tolist()
@@ -217,7 +340,7 @@ class ShardReader:
         a, b = offsets[j], offsets[j + 1]
         return f.get_slice("input_ids")[a:b].long(), f.get_slice("hidden_states")[a:b]
 
-    def __getstate__(self):  # DataLoader workers reopen the files themselves
+    def __getstate__(self):  # DataLoader workers reopen the files themselves (what was verified stays verified)
         state = self.__dict__.copy()
         state["_files"], state["_offsets"] = {}, {}
         return state
@@ -228,7 +351,7 @@ def prune(folder: str | Path, keep_manifest: str | Path | None = None) -> tuple[
     manifest's shards, and the other manifests). Returns (files, bytes) removed."""
     folder = Path(folder)
     manifests = [Path(keep_manifest)] if keep_manifest else sorted(folder.glob("manifest-*.json"))
-    keep = {shard["name"] for m in manifests for shard in json.loads(Path(m).read_text())["shards"]}
+    keep = {shard["name"] for m in manifests for shard in read_manifest(m)["shards"]}
     removed = freed = 0
     for path in folder.glob("shard-*.safetensors"):
         if path.name not in keep:

@@ -165,10 +165,11 @@ def output_tail(path: Path, lines: int = 25) -> str:
 
 def run_processes(commands: list[list[str]], progress_files: list[Path], callback: ProgressCallback | None,
                   envs: list[dict[str, str]] | None = None, poll_s: float = 2.0, label: str = "worker",
-                  logs: list[Path] | None = None) -> None:
+                  logs: list[Path] | None = None, pass_fds: tuple[int, ...] = ()) -> None:
     """Run one process per command (with its env, or this one's), each writing progress to its
     file, and wait for all, passing their merged progress to `callback` whenever it changes.
     A process's output goes to its file in `logs` if given (else to this one's stdout/stderr).
+    `pass_fds` stay open in the processes (an output folder's lock, tasks/folder_lock.py).
     Raises if any failed (module docstring): the first reported exception, else `WorkerLost`."""
     for path in progress_files:  # files left by an earlier attempt would report its progress and errors
         path.unlink(missing_ok=True)
@@ -176,7 +177,8 @@ def run_processes(commands: list[list[str]], progress_files: list[Path], callbac
     outputs = [log.open("w") for log in logs] if logs else [None] * len(commands)
     try:
         procs = [subprocess.Popen(cmd, env=envs[i] if envs else None, stdout=outputs[i],
-                                  stderr=subprocess.STDOUT if outputs[i] else None) for i, cmd in enumerate(commands)]
+                                  stderr=subprocess.STDOUT if outputs[i] else None, pass_fds=pass_fds)
+                 for i, cmd in enumerate(commands)]
         follow(procs, progress_files, callback, poll_s)
     finally:
         for f in outputs:

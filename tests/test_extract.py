@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,8 +18,9 @@ import torch
 
 from tasks.extract import ExtractJob, run_extraction
 from tasks.extract_plan import ExtractError
+from tasks.folder_lock import FolderLockedError
 from tasks.prepare import load_prepared, prepare
-from tasks.shards import Journal, ShardReader, read_metadata
+from tasks.shards import Journal, ShardError, ShardReader, parse_journal, read_manifest, read_metadata
 
 SETTINGS = {"batch_tokens": 2048, "shard_tokens": 1500}
 
@@ -139,6 +142,71 @@ def test_truncated_or_corrupt_shard_is_detected_and_redone(reference, prepared, 
     result = run_extraction(job_for(prepared, smollm2, tmp_path), in_process=True)
     assert result.shards_extracted == 2
     assert shard_bytes(tmp_path) == shard_bytes(ref_dir)
+
+
+def test_damage_that_keeps_size_and_mtime_is_repaired_by_the_final_verification(reference, prepared, smollm2,
+                                                                               tmp_path):
+    """Bit rot, or a copy tool that keeps times: the journal trusts the shard, the full final
+    verification finds it and redoes it instead of failing the run."""
+    ref_dir, _ = reference
+    shutil.copytree(ref_dir, tmp_path, dirs_exist_ok=True)
+    shard = sorted(tmp_path.glob("shard-*.safetensors"))[2]
+    stat = shard.stat()
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    result = run_extraction(job_for(prepared, smollm2, tmp_path), in_process=True)
+    assert (result.shards_extracted, result.verifier_loaded) == (1, True)
+    assert shard_bytes(tmp_path) == shard_bytes(ref_dir)
+
+
+@pytest.mark.parametrize("damage", [b"\x9c\xff\x00garbage\xfe" * 50, b"5\n", b'{"name": "x", "mtime_ns": 1}\n'],
+                         ids=["random-bytes", "not-an-object", "missing-field"])
+def test_damaged_journal_is_discarded_and_rebuilt_from_the_shards(reference, prepared, smollm2, tmp_path, damage):
+    ref_dir, ref_result = reference
+    shutil.copytree(ref_dir, tmp_path, dirs_exist_ok=True)
+    journal = next((tmp_path / "journal").glob("*.jsonl"))
+    journal.write_bytes(damage + journal.read_bytes())
+    result = run_extraction(job_for(prepared, smollm2, tmp_path), in_process=True)
+    assert (result.shards_extracted, result.verifier_loaded) == (0, False)  # verified in full, nothing redone
+    assert shard_bytes(tmp_path) == shard_bytes(ref_dir)
+    for path in (tmp_path / "journal").glob("*.jsonl"):  # the damaged file was discarded, then written anew
+        assert not path.read_bytes().startswith(damage) and parse_journal(path.read_bytes())
+    rebuilt = Journal(tmp_path).entries()
+    assert sorted(rebuilt) == sorted(shard_bytes(ref_dir)) and ref_result.shards == len(rebuilt)
+
+
+def test_garbage_or_truncated_manifest_is_a_clear_error_and_a_rerun_rewrites_it(reference, prepared, smollm2,
+                                                                                 tmp_path):
+    ref_dir, ref_result = reference
+    shutil.copytree(ref_dir, tmp_path, dirs_exist_ok=True)
+    manifest = tmp_path / Path(ref_result.manifest).name
+    good = manifest.read_bytes()
+    for damaged in (bytes(range(256)) * 4, good[: len(good) // 2], b"[1, 2]"):
+        manifest.write_bytes(damaged)
+        with pytest.raises(ShardError, match=f"manifest {manifest} is damaged"):
+            ShardReader(manifest)
+    result = run_extraction(job_for(prepared, smollm2, tmp_path), in_process=True)
+    assert result.shards_extracted == 0 and read_manifest(manifest) == json.loads(good)
+
+
+def test_a_second_run_on_a_locked_folder_is_refused_and_a_killed_holder_does_not_block(prepared, smollm2,
+                                                                                      tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from tasks.folder_lock import folder_lock\n"
+         "with folder_lock(sys.argv[1], 'extraction'):\n    print('locked', flush=True); time.sleep(600)",
+         str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    with pytest.raises(FolderLockedError, match=f"in use by another extraction run \\(pid {holder.pid} on host "
+                                                f"{socket.gethostname()}"):
+        run_extraction(job_for(prepared, smollm2, tmp_path), in_process=True)
+    assert not list(tmp_path.glob("shard-*"))  # refused before any work
+    holder.send_signal(signal.SIGKILL)  # its lock file stays behind, its lock goes with it
+    holder.wait()
+    assert (tmp_path / ".lock").is_file()
+    with pytest.raises(ExtractError, match="not enough disk"):  # past the lock: the plan runs (and refuses)
+        run_extraction(job_for(prepared, smollm2, tmp_path, reserve_disk_gb=1e9), in_process=True)
 
 
 def test_two_worker_processes_fill_one_folder(reference, prepared, smollm2, tmp_path):

@@ -1,0 +1,60 @@
+"""One run per output folder: an exclusive lock that two runs of a stage on one folder cannot both hold.
+
+The lock is `flock` on `<folder>/.lock`: the kernel releases it when the holding process dies,
+however it dies, so a killed run never leaves a lock that blocks the next one (the file stays,
+holding the last holder's description). Worker processes a stage starts inherit the locked file
+(`pass_fds`), so the folder stays locked while any of them still writes. The holder writes its
+pid, host, start time and command into the file, and a run that finds the lock held names them.
+On NFS, Linux implements flock with the server's byte-range locks, so it holds across hosts.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+LOCK_NAME = ".lock"
+
+
+class FolderLockedError(RuntimeError):
+    """Another run holds the output folder; the message names its process and host."""
+
+
+@contextmanager
+def folder_lock(folder: str | Path, what: str) -> Iterator[int]:
+    """Hold `folder`'s lock for the block (creating the folder); yields the locked file's descriptor
+    for the worker processes to inherit. Raises FolderLockedError at once if another run holds it."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise FolderLockedError(
+                f"{folder} is in use by another {what} run ({describe_holder(path)}); two runs writing one folder "
+                "would undo each other's work: wait for it to finish, or stop it (its lock goes with its process)"
+            ) from None
+        holder = {"pid": os.getpid(), "host": socket.gethostname(), "what": what,
+                  "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv)[:300]}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(holder).encode(), 0)
+        yield fd
+    finally:
+        os.close(fd)  # releases the lock unless a worker process still holds the inherited descriptor
+
+
+def describe_holder(path: Path) -> str:
+    try:
+        holder = json.loads(path.read_text())
+        return f"pid {holder['pid']} on host {holder['host']}, since {holder['since']}: {holder['command']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a process that has not yet written its name into " + str(path)
