@@ -37,9 +37,9 @@ from train_speed import TINY  # noqa: E402
 
 from tasks.extract import ExtractJob, run_extraction  # noqa: E402
 from tasks.subprocess_runs import ProgressFile  # noqa: E402
+from tasks.shards import read_manifest  # noqa: E402
 from tasks.tracking import read_metrics  # noqa: E402
 from tasks.train import TrainJob, run_training  # noqa: E402
-from tasks.train_data import read_manifest  # noqa: E402
 from tasks.vocab import build_vocab  # noqa: E402
 
 

@@ -10,6 +10,7 @@ instead of drawing them twice.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 METRICS_FILE = "metrics.jsonl"
@@ -24,14 +25,27 @@ class TrainingLog:
         self.path = Path(out_dir) / METRICS_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.is_file():  # a resume: drop what the killed process wrote past its checkpoint
-            kept = [x for x in self.path.read_text().splitlines() if x and json.loads(x)["step"] <= start_step]
-            self.path.write_text("".join(x + "\n" for x in kept))
+            self.trim(start_step)
         self.board = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             # every event at or after start_step + 1 in earlier files (a killed run's) is hidden
             self.board = SummaryWriter(str(Path(out_dir) / TENSORBOARD_DIR), purge_step=start_step + 1)
+
+    def trim(self, step: int) -> None:
+        """Keep the records up to `step` (and drop a last line a kill cut off); the file is
+        replaced whole, so a kill here loses nothing."""
+        kept = []
+        for line in self.path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line)
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue  # a record cut off by the kill
+        tmp = self.path.with_name(f".tmp-{self.path.name}")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.path)
 
     def write(self, record: dict) -> None:
         with self.path.open("a") as f:

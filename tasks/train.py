@@ -9,10 +9,15 @@ the accelerator every step), so this is one lean loop that runs the same on CPU 
 
 - CPU: sdpa attention, eager loss, float32. GPU: flex attention, bf16 autocast, the model's
   compiled forward. DDP under torchrun when several processes are launched (gloo on CPU).
+- Every shard is checked against the extraction manifest before training reads it (fingerprint,
+  checksum; once per shard, the ranks sharing the work): a damaged or foreign shard stops the run
+  with a ShardError naming the file instead of training on it.
 - Checkpoints hold the draft (speculators' `save_pretrained`, float32 for exact resume) and the
-  training state (optimizer, schedule, step, data position, RNG), written to a temporary folder
-  with a COMPLETE marker, then renamed. After a kill, training resumes from the last complete
-  checkpoint and follows the uninterrupted run's trajectory.
+  training state (optimizer, schedule, step, data position, RNG, the metrics window), written to a
+  temporary folder with a COMPLETE marker, then renamed. The state holds only tensors and plain
+  values and is loaded with `weights_only=True`: a file swapped into the folder cannot run code.
+  After a kill, training resumes from the last complete checkpoint and follows the uninterrupted
+  run's trajectory, its metrics log included.
 - The best checkpoint is chosen by the *simulated acceptance length* on held-out samples, not
   by loss (acceptance can peak while loss still falls), and exported in bf16 as `draft/`.
 """
@@ -25,6 +30,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import random
 import shutil
 import sys
@@ -37,24 +43,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from tasks.folder_lock import folder_lock
 from tasks.progress import Progress, ProgressCallback
+from tasks.shards import ShardReader, read_manifest
 from tasks.subprocess_runs import progress_file_callback, reporting_errors, run_processes
 from tasks.tracking import TrainingLog
-from tasks.train_data import (
-    ShardDataset,
-    StepBatches,
-    TrainDataError,
-    TrainSchedule,
-    make_loader,
-    read_manifest,
-    split_indices,
-)
+from tasks.train_data import ShardDataset, StepBatches, TrainDataError, TrainSchedule, make_loader, split_indices
 from tasks.verifier import inspect_verifier, verifier_fingerprint
 from tasks.vocab import load_vocab
 
 log = logging.getLogger(__name__)
 
-TRAIN_FORMAT = "train-v2"  # v2: each epoch its own packed step count
+TRAIN_FORMAT = "train-v3"  # v2: each epoch its own packed step count; v3: state loadable with weights_only, log window
 MODEL_INPUTS = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids",
                 "verifier_last_hidden_states")
 
@@ -181,19 +181,19 @@ def checkpoint_dirs(out_dir: Path) -> list[Path]:
     return sorted(p for p in (out_dir / "checkpoints").glob("step-*") if (p / "COMPLETE").is_file())
 
 
+class CheckpointError(ValueError):
+    """A checkpoint cannot be resumed from; the message names the file and why."""
+
+
 def save_checkpoint(out_dir: Path, model, optimizers, schedulers, state: dict, keep: int, best_step: int) -> Path:
     final = out_dir / "checkpoints" / f"step-{state['step']:08d}"
     tmp = final.with_name(f".tmp-{final.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp, safe_serialization=True)
-    torch.save({
-        "optimizers": [o.state_dict() for o in optimizers],
-        "schedulers": [sc.state_dict() for sc in schedulers],
-        "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-        **state,
-    }, tmp / "training_state.pt")
+    torch.save({"optimizers": [o.state_dict() for o in optimizers],
+                "schedulers": [sc.state_dict() for sc in schedulers], "rng": rng_states(), **state},
+               tmp / "training_state.pt")
     (tmp / "COMPLETE").write_text(json.dumps({"step": state["step"]}))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
@@ -203,24 +203,52 @@ def save_checkpoint(out_dir: Path, model, optimizers, schedulers, state: dict, k
     return final
 
 
+def rng_states() -> dict:
+    """Every RNG's state as tensors and plain values (what `torch.load(weights_only=True)` reads)."""
+    name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_states(rng: dict) -> None:
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    n = rng["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def load_training_state(path: Path) -> dict:
+    """The training state without unpickling anything but tensors and plain values."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(
+            f"{path} holds objects other than tensors and plain values and was not loaded (loading it could run "
+            f"code; {str(e).splitlines()[-1].strip() or 'unsupported global'}); delete {path.parent} to resume "
+            "from the checkpoint before it") from None
+    except (RuntimeError, OSError, EOFError) as e:
+        raise CheckpointError(f"{path} is damaged ({e}); delete {path.parent} to resume from the checkpoint "
+                              "before it") from None
+
+
 def load_checkpoint(path: Path, model, optimizers, schedulers) -> dict:
     from safetensors.torch import load_file
 
+    state = load_training_state(path / "training_state.pt")
     weights = load_file(str(path / "model.safetensors"), device=str(next(model.parameters()).device))
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if unexpected or [k for k in missing if not k.startswith("verifier_")]:
-        raise RuntimeError(f"checkpoint {path} does not fit the draft: missing {missing}, unexpected {unexpected}")
-    state = torch.load(path / "training_state.pt", weights_only=False)
+        raise CheckpointError(f"checkpoint {path} does not fit the draft: missing {missing}, unexpected {unexpected}")
     for o, sd in zip(optimizers, state["optimizers"], strict=True):
         o.load_state_dict(sd)
     for sc, sd in zip(schedulers, state["schedulers"], strict=True):
         sc.load_state_dict(sd)
-    rng = state["rng"]
-    torch.set_rng_state(rng["torch"])
-    np.random.set_state(rng["numpy"])
-    random.setstate(rng["python"])
-    if rng["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
+    set_rng_states(state["rng"])
     return state
 
 
@@ -242,16 +270,21 @@ def export_draft(model, checkpoint: Path, out_dir: Path) -> Path:
 # ---------------------------------------------------------------- the loop
 
 
-def reduce_metrics(sums: dict[str, torch.Tensor], distributed: bool) -> dict[str, float]:
-    from speculators.train.utils import normalize_counted_metrics
-
+def reduce_sums(sums: dict[str, torch.Tensor], distributed: bool) -> dict[str, torch.Tensor]:
+    """Counted metrics summed over the ranks."""
     keys = sorted(sums)
     if not keys:
         return {}
     stacked = torch.stack([sums[k].float().reshape(()) for k in keys])
     if distributed:
         dist.all_reduce(stacked)
-    return normalize_counted_metrics(dict(zip(keys, stacked.tolist(), strict=True)))
+    return dict(zip(keys, stacked.unbind(), strict=True))
+
+
+def reduce_metrics(sums: dict[str, torch.Tensor], distributed: bool) -> dict[str, float]:
+    from speculators.train.utils import normalize_counted_metrics
+
+    return normalize_counted_metrics({k: v.item() for k, v in reduce_sums(sums, distributed).items()})
 
 
 def accumulate(sums: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor]) -> None:
@@ -293,11 +326,12 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
     from speculators.losses import resolve_loss_config
 
     full = ShardDataset(job.manifest, job.prepared_path)
+    verify_shards(full.reader, rank, world)
     train_idx, val_idx = split_indices(full.reader.sample_ids, s.val_fraction)
     if not train_idx:
         raise TrainDataError("no training samples after the validation split")
-    train_set = ShardDataset(job.manifest, job.prepared_path, train_idx)
-    val_set = ShardDataset(job.manifest, job.prepared_path, val_idx) if val_idx else None
+    train_set = full.subset(train_idx)
+    val_set = full.subset(val_idx) if val_idx else None
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     hidden = manifest["hidden_size"]
     schedule = TrainSchedule(train_set.lengths(), s.total_seq_len, world, s.grad_accum_steps, s.seed, s.epochs,
@@ -316,10 +350,16 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
     call = {"ttt_steps": s.ttt_steps, "ttt_step_loss_decay": s.ttt_step_loss_decay, "loss_config": loss_config}
 
     step, best = 0, {"step": -1, "acceptance": -1.0, "metrics": {}}
+    sums: dict[str, torch.Tensor] = {}  # the metrics of the steps since the last log record
+    tokens = 0
+    if rank == 0:
+        remove_temporaries(out_dir)
     checkpoints = checkpoint_dirs(out_dir)
     if checkpoints:
         state = load_checkpoint(checkpoints[-1], model, optimizers, schedulers)
         step, best = state["step"], state["best"]
+        # the log window open at the checkpoint, summed over the ranks: rank 0 carries it on
+        sums, tokens = (state["window"]["sums"] if rank == 0 else {}), state["window"]["tokens"]
         log.info("resumed from %s (step %d of %d)", checkpoints[-1], step, total_steps)
     metrics_log = TrainingLog(out_dir, step, s.tensorboard) if rank == 0 else None
     net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
@@ -331,8 +371,7 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
 
     progress = Progress("train", total_steps, "step", callback, done=step)
     note = ""
-    sums: dict[str, torch.Tensor] = {}
-    tokens, t_window = 0, time.monotonic()
+    t_window = time.monotonic()
     trained_tokens, steady_tokens, steady_s, windows = 0, 0, 0.0, 0
     net.train()
     while step < total_steps:
@@ -390,9 +429,10 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
                 elif rank == 0:
                     log.info("checkpoint at step %d (train.val_fraction=0: no validation, the latest checkpoint "
                              "is the one exported)", step)
+                window = {"sums": reduce_sums(sums, world > 1), "tokens": tokens}
                 if rank == 0:
-                    save_checkpoint(out_dir, model, optimizers, schedulers, {"step": step, "best": best},
-                                    s.keep_checkpoints, best["step"])
+                    save_checkpoint(out_dir, model, optimizers, schedulers,
+                                    {"step": step, "best": best, "window": window}, s.keep_checkpoints, best["step"])
                 if world > 1:
                     dist.barrier()
                 t_window = time.monotonic()  # validation time is not training time
@@ -451,6 +491,27 @@ def evaluate_draft(draft: str | Path, manifest: str | Path, prepared_path: str |
     return evaluate(model, dataset, total_seq_len, read_manifest(manifest)["hidden_size"], dtype, device, call)
 
 
+def remove_temporaries(out_dir: Path) -> None:
+    """Checkpoint, draft and log files a killed run left half-written; never read, removed here."""
+    for tmp in [*out_dir.glob(".tmp-*"), *(out_dir / "checkpoints").glob(".tmp-*")]:
+        shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+
+
+def verify_shards(reader: ShardReader, rank: int, world: int) -> None:
+    """Every shard checked against the manifest before training reads it: each rank checks a share
+    and trusts the others' (a rank that finds a bad shard fails, and torchrun stops the others)."""
+    t0 = time.monotonic()
+    mine = range(rank, len(reader.manifest["shards"]), world)
+    reader.verify(mine)
+    if world > 1:
+        checked: list[dict | None] = [None] * world
+        dist.all_gather_object(checked, {s: reader.verified[s] for s in mine})
+        for part in checked:
+            reader.verified.update(part)
+    log.info("%d shards checked against %s in %.1f s (fingerprints, checksums)", len(reader.manifest["shards"]),
+             reader.manifest_path.name, time.monotonic() - t0)
+
+
 # ---------------------------------------------------------------- running it
 
 
@@ -458,11 +519,15 @@ def run_training(job: TrainJob, manifest_fp: str, vocab_fp: str, *, in_process: 
                  callback: ProgressCallback | None = None) -> TrainResult:
     """The stage: one process, or `nproc` under torchrun, in a subprocess unless `in_process`.
     Inputs are checked here first, so a mismatch fails before any process starts."""
-    s = job.train_settings
     check_inputs(job, read_manifest(job.manifest))
+    with folder_lock(job.out_dir, "training") as lock_fd:
+        result = _run_training(job, in_process, callback, lock_fd)
+    return TrainResult(**{**asdict(result), "fingerprint": train_fingerprint(manifest_fp, vocab_fp, job.settings)})
+
+
+def _run_training(job: TrainJob, in_process: bool, callback: ProgressCallback | None, lock_fd: int) -> TrainResult:
+    s = job.train_settings
     out_dir = Path(job.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fingerprint = train_fingerprint(manifest_fp, vocab_fp, job.settings)
     if in_process:
         result = train_worker(job, callback)
     else:
@@ -474,9 +539,9 @@ def run_training(job: TrainJob, manifest_fp: str, vocab_fp: str, *, in_process: 
                 "--progress-file", str(progress_file)]
         cmd = [sys.executable, *args] if s.nproc == 1 else [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={s.nproc}", *args]
-        run_processes([cmd], [progress_file], callback, label="training process")
+        run_processes([cmd], [progress_file], callback, label="training process", pass_fds=(lock_fd,))
         result = TrainResult(**json.loads(result_file.read_text()))
-    return TrainResult(**{**asdict(result), "fingerprint": fingerprint})
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:

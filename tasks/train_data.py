@@ -14,7 +14,7 @@ world sizes and lets a killed run resume at the exact step.
 
 from __future__ import annotations
 
-import json
+import copy
 from pathlib import Path
 
 import torch
@@ -34,13 +34,20 @@ class TrainDataError(PermanentError, ValueError):
 
 
 class ShardDataset(Dataset):
-    """Samples of an extraction manifest, with loss masks from the prepared data."""
+    """Samples of an extraction manifest, with loss masks from the prepared data. Shards are
+    checked against the manifest before their first use (ShardReader)."""
 
     def __init__(self, manifest_path: str | Path, prepared_path: str | Path, indices: list[int] | None = None):
         self.reader = ShardReader(manifest_path)
         self.prepared = load_prepared(prepared_path)
         self.rows = [row for shard in self.reader.manifest["shards"] for row in shard["rows"]]
         self.indices = list(range(len(self.reader))) if indices is None else indices
+
+    def subset(self, indices: list[int]) -> ShardDataset:
+        """The samples at `indices`, sharing this dataset's reader (its shards verified once)."""
+        subset = copy.copy(self)
+        subset.indices = indices
+        return subset
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -133,8 +140,3 @@ def make_loader(dataset: ShardDataset, sampler: StepBatches, total_seq_len: int,
                       prefetch_factor=4 if workers else None)
 
 
-def read_manifest(path: str | Path) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise TrainDataError(f"extraction manifest not found: {path} (deleted after it was cached? re-run with --refresh)")
-    return json.loads(path.read_text())

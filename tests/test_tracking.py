@@ -11,6 +11,8 @@ def test_a_resumed_log_hides_what_the_killed_process_wrote_past_its_checkpoint(t
     killed = TrainingLog(tmp_path, start_step=0)
     for step in range(1, 7):  # checkpoint at step 4, killed after logging step 6 (never closed)
         killed.write({"split": "train", "step": step, "loss": 10.0 - step, "lr": 1e-3})
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"split": "train", "st')  # the kill cut the next record off
     resumed = TrainingLog(tmp_path, start_step=4)
     for step in range(5, 9):  # the resumed process redoes 5 and 6, with other values
         resumed.write({"split": "train", "step": step, "loss": 100.0 + step, "lr": 1e-3})

@@ -19,8 +19,9 @@ from pictures import colour_pixels
 from tasks.extract import ExtractJob, run_extraction
 from tasks.plots import TRAIN, VAL, training_curves
 from tasks.prepare import load_prepared, prepare
+from tasks.shards import ShardError
 from tasks.tracking import read_metrics
-from tasks.train import TrainJob, checkpoint_dirs, run_training, simulated_acceptance_length
+from tasks.train import CheckpointError, TrainJob, checkpoint_dirs, run_training, simulated_acceptance_length
 from tasks.train_data import TrainDataError
 from tasks.vocab import build_vocab, load_vocab, token_frequencies
 
@@ -229,3 +230,75 @@ def test_mismatched_inputs_fail_before_training(data, smollm2, tmp_path):
     with pytest.raises(TrainDataError, match="no samples"):
         run_training(replace(bad, verifier_path=smollm2, manifest=str(empty)), "x", "y")
     assert not (tmp_path / "a").exists()
+
+
+def damage_cases(shard: Path, other: Path) -> dict:
+    """Ways a shard file goes bad, each as a function of the folder's shard."""
+    def flip(path: Path) -> None:
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x10  # one byte in the middle of the hidden states
+        path.write_bytes(bytes(data))
+
+    return {
+        "flipped byte": (flip, "is damaged \\(checksum mismatch\\)"),
+        "truncated": (lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]), "is unreadable"),
+        "deleted": (lambda p: p.unlink(), "is missing"),
+        "another shard swapped in": (lambda p: shutil.copyfile(other, p), "is a shard of other inputs"),
+    }
+
+
+def test_training_refuses_damaged_or_foreign_shards_naming_the_file(data, smollm2, tmp_path):
+    prepared, extraction, vocab = data
+    source = Path(extraction.manifest).parent
+    shards = sorted(source.glob("shard-*.safetensors"))
+    for case, (damage, message) in damage_cases(shards[1], shards[0]).items():
+        folder = tmp_path / case.replace(" ", "-")
+        shutil.copytree(source, folder / "hs")
+        damage(folder / "hs" / shards[1].name)
+        bad = replace(job(data, smollm2, folder / "train"),
+                      manifest=str(folder / "hs" / Path(extraction.manifest).name))
+        with pytest.raises(ShardError, match=f"{folder / 'hs' / shards[1].name} .*{message}"):
+            run_training(bad, extraction.fingerprint, vocab.fingerprint, in_process=True)
+        assert not (folder / "train" / "checkpoints").exists(), case  # refused before the first step
+
+
+def test_a_training_state_that_would_run_code_is_refused(data, smollm2, tmp_path):
+    settings = {"max_steps": 2, "eval_every": 2}
+    train(data, smollm2, tmp_path, **settings)
+    state = checkpoint_dirs(tmp_path)[-1] / "training_state.pt"
+    marker = tmp_path / "code-ran"
+    torch.save({"step": RunsCode(f"import pathlib; pathlib.Path({str(marker)!r}).touch()")}, state)
+    with pytest.raises(CheckpointError, match=f"{state} holds objects other than tensors and plain values"):
+        train(data, smollm2, tmp_path, **settings)
+    assert not marker.exists()
+
+
+class RunsCode:
+    """Unpickling this runs `code` (what a swapped-in training_state.pt could do)."""
+
+    def __init__(self, code: str):
+        self.code = code
+
+    def __reduce__(self):
+        return exec, (self.code,)
+
+
+def test_metrics_log_after_a_resume_equals_the_uninterrupted_runs(data, smollm2, tmp_path):
+    """A log window (log_every) open across the checkpoint, and the records a killed run wrote past
+    its last checkpoint: the resumed run's log must still be the uninterrupted run's."""
+    settings = {"max_steps": 7, "eval_every": 4, "log_every": 3, "keep_checkpoints": 10}
+    reference = tmp_path / "reference"
+    train(data, smollm2, reference, **settings)
+    killed = tmp_path / "killed"
+    shutil.copytree(reference, killed)
+    # a kill late in the run, its later checkpoints lost: the checkpoint of step 4, records past it, one cut off
+    for checkpoint in checkpoint_dirs(killed)[1:]:
+        shutil.rmtree(checkpoint)
+    shutil.rmtree(killed / "draft")
+    with (killed / "metrics.jsonl").open("a") as f:
+        f.write('{"split": "train", "step": 7, "lo')  # a record the kill cut off
+    train(data, smollm2, killed, **settings)
+    timing = ("tokens_per_s",)
+    got, want = read_metrics(killed), read_metrics(reference)
+    assert [{k: v for k, v in m.items() if k not in timing} for m in got] == \
+        [{k: v for k, v in m.items() if k not in timing} for m in want]
