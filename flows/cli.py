@@ -9,7 +9,7 @@ of one output folder share a cache and nothing leaks into ~/.prefect.
 Exit status: 0 done; 2 a problem a retry cannot fix (a bad config, a missing or empty input, an
 unwritable output folder, a deterministic failure in a stage), named in one `error:` line; 1 a
 stage that still failed after its retries, or for `plan`, an extraction this machine's disk or
-memory could not hold.
+memory could not hold; 3 the output folder is in use by another run (its process and host named).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from flows.prefect_env import use_private_prefect_home
 from tasks.config import ConfigError, load_config
 from tasks.demo_assets import resolve_config
 from tasks.errors import PermanentError, describe, is_deterministic
+from tasks.folder_lock import FolderLockedError, folder_lock
 from tasks.preflight import check_before_run, check_data, check_writable
 
 
@@ -102,7 +103,12 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"eagle3-pipeline: running '{config.name}' -> {output} (Prefect home: {prefect_home})")
     t0 = time.monotonic()
-    state = eagle3_pipeline(config, return_state=True)
+    try:
+        with folder_lock(output, "eagle3-pipeline run"):  # one run per output folder (and its Prefect database)
+            state = eagle3_pipeline(config, return_state=True)
+    except FolderLockedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
     stages = stage_runs(state.state_details.flow_run_id)
     if not state.is_completed():
         return report_failure(state, stages)

@@ -5,7 +5,8 @@ Turn by turn: assistant turn j of every conversation in a chunk is generated fro
 regenerated conversation so far, all conversations batched together. Once a conversation's
 prompt passes `max_seq_len`, its remaining turns are cut (prepare would truncate them anyway).
 Conversations are processed in chunks and appended to `conversations.jsonl` as each chunk
-finishes, so a crash costs at most one chunk; a rerun skips the conversations already written.
+finishes, so a crash costs at most one chunk; a rerun skips the chunks already written, and its
+answers are byte for byte those of an uninterrupted run (the same chunks, the same batches).
 Failures (a prompt that no longer fits, an empty answer) are counted by reason and the
 conversation left out. vLLM generates where it imports (in a subprocess); transformers
 `generate` everywhere else.
@@ -25,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tasks.chat_data import Dropped, normalize, read_rows
+from tasks.folder_lock import folder_lock
 from tasks.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -233,8 +235,9 @@ def run_regeneration(job: RegenerateJob) -> Path:
     output, failures = out_dir / "conversations.jsonl", out_dir / "failed.jsonl"
     written = {json.loads(line)["id"] for line in _complete_lines(output)}
     failed_before = [json.loads(line) for line in _complete_lines(failures)]
+    recorded = written | {f["id"] for f in failed_before}
     tokenizer = AutoTokenizer.from_pretrained(job.verifier_path)
-    rows = []
+    rows = []  # every usable conversation in input order: chunks are cut from this whole list
     report = RegenerateReport()
     for row in read_rows(job.sources, job.max_rows):
         messages = row.data if isinstance(row.data, Dropped) else normalize(row.data)
@@ -242,25 +245,29 @@ def run_regeneration(job: RegenerateJob) -> Path:
             report.failed[f"input_{messages.reason}"] = report.failed.get(f"input_{messages.reason}", 0) + 1
             continue
         report.conversations += 1
-        if row.row_id not in written and row.row_id not in {f["id"] for f in failed_before}:
-            rows.append((row.row_id, messages))
+        rows.append((row.row_id, messages))
     report.regenerated = len(written)
     for f in failed_before:
         report.failed[f["reason"]] = report.failed.get(f["reason"], 0) + 1
-    if rows:
+    # A chunk is redone whole if any of its conversations is unrecorded (a kill between its two
+    # appends leaves it part-recorded): its batches, and so its answers, stay the uninterrupted run's.
+    chunks = [rows[i: i + s.chunk_size] for i in range(0, len(rows), s.chunk_size)]
+    pending = [chunk for chunk in chunks if any(row_id not in recorded for row_id, _ in chunk)]
+    if pending:
         use_vllm = s.backend == "vllm" or (s.backend == "auto" and vllm_available())
         generate = (VllmGenerator(job.verifier_path, s, job.max_seq_len + s.max_new_tokens, job.trust_remote_code)
                     if use_vllm else TransformersGenerator(job.verifier_path, tokenizer, s, job.max_seq_len,
                                                            job.trust_remote_code))
         report.backend = generate.name
-        progress = Progress("regenerate", len(rows), "conversation")
-        for start in range(0, len(rows), s.chunk_size):
-            chunk = rows[start: start + s.chunk_size]
+        progress = Progress("regenerate", sum(map(len, pending)), "conversation")
+        for n, chunk in enumerate(pending):
             finished, failed = regenerate_chunk(chunk, generate, tokenizer, job.max_seq_len, report, s.max_turns)
+            finished = [(row_id, m) for row_id, m in finished if row_id not in recorded]
             append_lines(output, [{"id": row_id, "messages": m} for row_id, m in finished])
-            append_lines(failures, [{"id": row_id, "reason": reason} for row_id, reason in failed.items()])
+            append_lines(failures, [{"id": row_id, "reason": reason} for row_id, reason in failed.items()
+                                    if row_id not in recorded])
             report.regenerated += len(finished)
-            if start == 0:
+            if n == 0:
                 report.first_chunk_s, report.first_chunk_tokens = report.generate_s, report.generated_tokens
             progress.update(len(chunk), note=f"{report.generated_tokens / max(report.generate_s, 1e-9):,.0f} "
                                              "generated tok/s")
@@ -287,14 +294,15 @@ def _complete_lines(path: Path) -> list[str]:
 
 
 def regenerate(job: RegenerateJob, *, in_process: bool = False) -> Path:
-    """Regenerate in a subprocess (vLLM's engine, memory and any crash stay there) unless `in_process`."""
-    if in_process:
-        return run_regeneration(job)
+    """Regenerate in a subprocess (vLLM's engine, memory and any crash stay there) unless `in_process`;
+    one run per output folder at a time (tasks/folder_lock.py)."""
     out_dir = Path(job.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    job_file = out_dir / "job.json"
-    job_file.write_text(json.dumps(asdict(job)))
-    proc = subprocess.run([sys.executable, "-m", "tasks.regenerate", "--job", str(job_file)])
+    with folder_lock(out_dir, "regeneration") as lock_fd:
+        if in_process:
+            return run_regeneration(job)
+        job_file = out_dir / "job.json"
+        job_file.write_text(json.dumps(asdict(job)))
+        proc = subprocess.run([sys.executable, "-m", "tasks.regenerate", "--job", str(job_file)], pass_fds=(lock_fd,))
     if proc.returncode != 0:
         raise RuntimeError(f"answer regeneration failed (exit {proc.returncode}); a rerun resumes after the "
                            "conversations already written")
