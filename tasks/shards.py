@@ -102,8 +102,7 @@ def write_shard(path: Path, spec: ShardSpec, hidden_states: torch.Tensor, input_
             os.fsync(f.fileno())
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        raise ShardError(f"writing {path.name} to {path.parent} failed: {e.strerror or e} "
-                         f"({disk_free(path.parent) / 1e6:,.0f} MB free on that disk)") from e
+        raise write_error(f"writing {path.name} to {path.parent}", path.parent, e) from e
     os.replace(tmp, path)
     fsync_dir(path.parent)
     return journal_line(path, checksum, spec)
@@ -115,8 +114,10 @@ def journal_line(path: Path, checksum: str, spec: ShardSpec) -> dict:
             "fingerprint": spec.fingerprint, "tokens": spec.tokens, "samples": len(spec.rows)}
 
 
-def disk_free(folder: Path) -> int:
-    return shutil.disk_usage(folder).free
+def write_error(what: str, folder: Path, e: OSError) -> ShardError:
+    """A failed write (a full disk, a quota, an I/O error) as an error naming the folder and its free space."""
+    return ShardError(f"{what} failed: {e.strerror or e} ({shutil.disk_usage(folder).free / 1e6:,.0f} MB free "
+                      "on that disk)")
 
 
 SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.int32: "I32", torch.int64: "I64", torch.float32: "F32"}
@@ -193,10 +194,13 @@ class Journal:
     def append(self, entry: dict) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / f"{socket.gethostname()}-{os.getpid()}.jsonl"
-        with path.open("a") as f:
-            f.write(json.dumps(entry) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with path.open("a") as f:
+                f.write(json.dumps(entry) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:  # a cut-off line is ignored when read
+            raise write_error(f"appending to the journal {path}", self.folder, e) from e
 
     def entries(self) -> dict[str, dict]:
         """The newest line (by the mtime it records) per shard name. A torn last line (a crash mid-append) is ignored; a file with
@@ -305,16 +309,16 @@ class ShardReader:
         if not path.is_file():
             raise ShardError(f"{where} is missing")
         stat = path.stat()
-        meta = read_metadata(path)
+        try:
+            with safe_open(str(path), "pt") as f:
+                meta = f.metadata() or {}
+                shape = f.get_slice("hidden_states").get_shape()
+                checksum = file_checksum(f) if meta.get("fingerprint") == listed["fingerprint"] else None
+        except Exception as e:  # a truncated or foreign file fails to parse
+            raise ShardError(f"{where} is unreadable ({e})") from None
         if meta.get("fingerprint") != listed["fingerprint"]:
             raise ShardError(f"{where} is a shard of other inputs (fingerprint {meta.get('fingerprint', '?')[:16]}, "
                              f"the manifest lists {listed['fingerprint'][:16]}): re-run the extraction")
-        try:
-            with safe_open(str(path), "pt") as f:
-                shape = f.get_slice("hidden_states").get_shape()
-                checksum = file_checksum(f)
-        except Exception as e:
-            raise ShardError(f"{where} is unreadable ({e})") from None
         if checksum != listed["checksum"] or checksum != meta.get("checksum"):
             raise ShardError(f"{where} is damaged (checksum mismatch): re-run the extraction to redo it")
         expected = [sum(listed["lengths"]), len(self.manifest["layers"]), self.manifest["hidden_size"]]

@@ -25,6 +25,7 @@ says its rank (`$RANK`).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -39,14 +40,20 @@ from pathlib import Path
 from tasks.errors import is_deterministic
 from tasks.progress import ProgressCallback, ProgressEvent
 
+log = logging.getLogger(__name__)
+
 
 def progress_file_callback(path: str | Path) -> ProgressCallback:
-    """Progress events as JSON lines, for the parent process to follow."""
+    """Progress events as JSON lines, for the parent process to follow. Reporting is best effort:
+    a failed write (a full disk) loses the event, not the work; the work's own writes report it."""
     path = Path(path)
 
     def write(event) -> None:
-        with path.open("a") as f:
-            f.write(json.dumps(asdict(event)) + "\n")
+        try:
+            with path.open("a") as f:
+                f.write(json.dumps(asdict(event)) + "\n")
+        except OSError as e:
+            log.warning("progress not reported (%s: %s)", path, e.strerror or e)
 
     return write
 
