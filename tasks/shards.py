@@ -203,9 +203,9 @@ class Journal:
             raise write_error(f"appending to the journal {path}", self.folder, e) from e
 
     def entries(self) -> dict[str, dict]:
-        """The newest line (by the mtime it records) per shard name. A torn last line (a crash mid-append) is ignored; a file with
-        any other unreadable line is damaged: it is discarded (deleted), and the shards it listed
-        are then verified in full by whoever needs them."""
+        """The newest line (by the mtime it records) per shard name. A torn last line (a crash
+        mid-append) is ignored; a file with any other unreadable line is damaged: it is discarded
+        (deleted), and the shards it listed are then verified in full by whoever needs them."""
         out: dict[str, dict] = {}
         for path in sorted(self.folder.glob("*.jsonl")) if self.folder.is_dir() else []:
             try:

@@ -94,7 +94,9 @@ def test_regeneration_rewrites_answers_with_the_verifier_and_resumes(smollm2, sh
 
     # batch_size=1: no padding, so each answer can be compared with an unbatched greedy generate
     # (bf16 batched generation flips near-ties)
-    settings = RegenerateSettings(enabled=True, backend="transformers", max_new_tokens=24, batch_size=1).model_dump()
+    # chunk_size=2: the first run's 2 conversations are one whole chunk (a part-written chunk is redone whole)
+    settings = RegenerateSettings(enabled=True, backend="transformers", max_new_tokens=24, batch_size=1,
+                                  chunk_size=2).model_dump()
     job = RegenerateJob([sharegpt], 2, smollm2, str(tmp_path / "hf"), 384, settings)
     first = regenerate(job, in_process=True)
     assert len(first.read_text().splitlines()) == 2
