@@ -579,7 +579,9 @@ def summarize(trials: list[Trial]) -> list[dict]:
     for kind in dict.fromkeys(t.kind for t in trials):
         ts = [t for t in trials if t.kind == kind]
         reads = [t.temporaries_read for t in ts if t.temporaries_read is not None]
-        rows.append({"kind": kind, "trials": len(ts), "identical": sum(t.identical for t in ts),
+        rows.append({"kind": kind, "trials": len(ts),
+                     "faults injected": sum("after the run ended" not in t.fault for t in ts),
+                     "identical": sum(t.identical for t in ts),
                      "handled as promised": sum(t.ok for t in ts),
                      "most finished work redone": max(t.redone for t in ts),
                      "temporaries left (most)": max(t.temporaries_left for t in ts),
@@ -633,23 +635,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--work", default=None, help="scratch folder (default: a temporary one, removed after)")
     p.add_argument("--write", default=str(ROOT / "docs" / "RELIABILITY.md"), help="'' to skip writing")
+    p.add_argument("--render", metavar="LOG", help="only write the figures of an earlier run from its log")
     a = p.parse_args(argv)
+    if a.render:
+        text = Path(a.render).read_text()
+        found = re.findall(r"^\[faults ([\d:]+)\] [\w -/]+: (Trial\(.*\))$", text, re.M)
+        trials = [eval(t, {"Trial": Trial, "__builtins__": {}}) for _, t in found]  # our own log's reprs
+        took = re.search(r"^took (\d+) s$", text, re.M)
+        first, last = (time.strptime(found[i][0], "%H:%M:%S") for i in (0, -1))
+        wall = int(took[1]) if took else (time.mktime(last) - time.mktime(first)) % 86400
+        write_figures(Path(a.write), markdown(summarize(trials), trials, command_line(a), a.seed, wall))
+        return 0
     t0 = time.monotonic()
     work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="eagle3-faults-"))
     inputs = Inputs(work)
     trials_for = {k: int(n) for k, n in (item.split("=") for item in a.trials_for)}
     trials = run_suite(inputs, a.kinds.split(","), a.trials, a.seed, trials_for)
     rows = summarize(trials)
-    command = f"python bench/faults.py --seed {a.seed} --trials {a.trials}" + "".join(
-        f" --trials-for {k}={n}" for k, n in trials_for.items()) + (
-        f" --kinds {a.kinds}" if a.kinds != ",".join(KINDS) else "")
-    text = markdown(rows, trials, command, a.seed, time.monotonic() - t0)
+    print(f"took {time.monotonic() - t0:.0f} s")
+    text = markdown(rows, trials, command_line(a), a.seed, time.monotonic() - t0)
     print(text)
     if a.write:
         write_figures(Path(a.write), text)
     if not a.work:
         shutil.rmtree(work, ignore_errors=True)
     return 0 if all(t.ok and t.identical for t in trials if t.kind != "disk" or "not run" not in t.note) else 1
+
+
+def command_line(a: argparse.Namespace) -> str:
+    return f"python bench/faults.py --seed {a.seed} --trials {a.trials}" + "".join(
+        f" --trials-for {item}" for item in a.trials_for) + (f" --kinds {a.kinds}" if a.kinds != ",".join(KINDS) else "")
 
 
 def write_figures(path: Path, figures: str) -> None:
