@@ -313,7 +313,7 @@ def kill_trials(inputs: Inputs, kind: str, trials: int, rng: random.Random) -> l
 
 def snapshot(stage: str, out: Path) -> dict:
     """What a kill left finished: shard files (inode, mtime), conversations written, the training log."""
-    from tasks.train import checkpoint_dirs
+    from tasks.checkpoints import checkpoint_dirs
 
     hidden = out / "hidden_states" if stage == "flow" else out
     state = {"shards": {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in hidden.glob("shard-*.safetensors")}}

@@ -36,6 +36,7 @@ from prefect.tasks import exponential_backoff
 
 import tasks.chat_data
 import tasks.chat_template
+import tasks.checkpoints
 import tasks.draft_check
 import tasks.extract
 import tasks.extract_plan
@@ -247,7 +248,8 @@ def _train_job(config: PipelineConfig, prepared: PreparedData, extracted: Extrac
 def _train_key(ctx, p) -> str:
     c: PipelineConfig = p["config"]
     return cache_key(ctx, p["extracted"].fingerprint, p["vocab"].fingerprint, c.train.model_dump(),
-                     c.output_dir, modules=(tasks.train, tasks.train_data, tasks.subprocess_runs))
+                     c.output_dir,
+                     modules=(tasks.train, tasks.checkpoints, tasks.train_data, tasks.subprocess_runs))
 
 
 @task(name="train", cache_key_fn=_train_key, tags=["gpu"], **GPU_STAGE)

@@ -12,12 +12,9 @@ the accelerator every step), so this is one lean loop that runs the same on CPU 
 - Every shard is checked against the extraction manifest before training reads it (fingerprint,
   checksum; once per shard, the ranks sharing the work): a damaged or foreign shard stops the run
   with a ShardError naming the file instead of training on it.
-- Checkpoints hold the draft (speculators' `save_pretrained`, float32 for exact resume) and the
-  training state (optimizer, schedule, step, data position, RNG, the metrics window), written to a
-  temporary folder with a COMPLETE marker, then renamed. The state holds only tensors and plain
-  values and is loaded with `weights_only=True`: a file swapped into the folder cannot run code.
-  After a kill, training resumes from the last complete checkpoint and follows the uninterrupted
-  run's trajectory, its metrics log included.
+- Checkpoints (tasks/checkpoints.py) hold the draft and the training state, the metrics window
+  included; after a kill, training resumes from the last complete checkpoint and follows the
+  uninterrupted run's trajectory, its metrics log included.
 - The best checkpoint is chosen by the *simulated acceptance length* on held-out samples, not
   by loss (acceptance can peak while loss still falls), and exported in bf16 as `draft/`.
 """
@@ -25,24 +22,20 @@ the accelerator every step), so this is one lean loop that runs the same on CPU 
 from __future__ import annotations
 
 import argparse
-import copy
 import hashlib
 import json
 import logging
 import os
-import pickle
-import random
-import shutil
 import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
+from tasks.checkpoints import checkpoint_dirs, export_draft, load_checkpoint, remove_temporaries, save_checkpoint
 from tasks.folder_lock import folder_lock
 from tasks.progress import Progress, ProgressCallback
 from tasks.shards import ShardReader, read_manifest
@@ -171,100 +164,6 @@ def build_optimizers(model, s, total_steps: int):
     optimizers = speculators_optimizers(model, settings)
     schedulers = [get_cosine_schedule_with_warmup(o, s.warmup_steps, max(total_steps, 1)) for o in optimizers]
     return optimizers, schedulers
-
-
-# ---------------------------------------------------------------- checkpoints
-
-
-def checkpoint_dirs(out_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first (a folder without COMPLETE is never used)."""
-    return sorted(p for p in (out_dir / "checkpoints").glob("step-*") if (p / "COMPLETE").is_file())
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be resumed from; the message names the file and why."""
-
-
-def save_checkpoint(out_dir: Path, model, optimizers, schedulers, state: dict, keep: int, best_step: int) -> Path:
-    final = out_dir / "checkpoints" / f"step-{state['step']:08d}"
-    tmp = final.with_name(f".tmp-{final.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    torch.save({"optimizers": [o.state_dict() for o in optimizers],
-                "schedulers": [sc.state_dict() for sc in schedulers], "rng": rng_states(), **state},
-               tmp / "training_state.pt")
-    (tmp / "COMPLETE").write_text(json.dumps({"step": state["step"]}))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    for old in checkpoint_dirs(out_dir)[:-keep]:
-        if old.name != f"step-{best_step:08d}":
-            shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def rng_states() -> dict:
-    """Every RNG's state as tensors and plain values (what `torch.load(weights_only=True)` reads)."""
-    name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
-    return {"torch": torch.get_rng_state(), "python": random.getstate(),
-            "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-
-
-def set_rng_states(rng: dict) -> None:
-    torch.set_rng_state(rng["torch"])
-    random.setstate(rng["python"])
-    n = rng["numpy"]
-    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
-                         n["cached_gaussian"]))
-    if rng["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-
-
-def load_training_state(path: Path) -> dict:
-    """The training state without unpickling anything but tensors and plain values."""
-    try:
-        return torch.load(path, weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise CheckpointError(
-            f"{path} holds objects other than tensors and plain values and was not loaded (loading it could run "
-            f"code; {str(e).splitlines()[-1].strip() or 'unsupported global'}); delete {path.parent} to resume "
-            "from the checkpoint before it") from None
-    except (RuntimeError, OSError, EOFError) as e:
-        raise CheckpointError(f"{path} is damaged ({e}); delete {path.parent} to resume from the checkpoint "
-                              "before it") from None
-
-
-def load_checkpoint(path: Path, model, optimizers, schedulers) -> dict:
-    from safetensors.torch import load_file
-
-    state = load_training_state(path / "training_state.pt")
-    weights = load_file(str(path / "model.safetensors"), device=str(next(model.parameters()).device))
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    if unexpected or [k for k in missing if not k.startswith("verifier_")]:
-        raise CheckpointError(f"checkpoint {path} does not fit the draft: missing {missing}, unexpected {unexpected}")
-    for o, sd in zip(optimizers, state["optimizers"], strict=True):
-        o.load_state_dict(sd)
-    for sc, sd in zip(schedulers, state["schedulers"], strict=True):
-        sc.load_state_dict(sd)
-    set_rng_states(state["rng"])
-    return state
-
-
-def export_draft(model, checkpoint: Path, out_dir: Path) -> Path:
-    """The best checkpoint's weights in bf16, speculators' format: the folder vLLM loads."""
-    from safetensors.torch import load_file
-
-    draft = copy.deepcopy(model).cpu()
-    draft.load_state_dict(load_file(str(checkpoint / "model.safetensors")), strict=False)
-    final = out_dir / "draft"
-    tmp = out_dir / ".tmp-draft"
-    shutil.rmtree(tmp, ignore_errors=True)
-    draft.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    return final
 
 
 # ---------------------------------------------------------------- the loop
@@ -489,12 +388,6 @@ def evaluate_draft(draft: str | Path, manifest: str | Path, prepared_path: str |
     dataset = ShardDataset(manifest, prepared_path)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     return evaluate(model, dataset, total_seq_len, read_manifest(manifest)["hidden_size"], dtype, device, call)
-
-
-def remove_temporaries(out_dir: Path) -> None:
-    """Checkpoint, draft and log files a killed run left half-written; never read, removed here."""
-    for tmp in [*out_dir.glob(".tmp-*"), *(out_dir / "checkpoints").glob(".tmp-*")]:
-        shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink(missing_ok=True)
 
 
 def verify_shards(reader: ShardReader, rank: int, world: int) -> None:

@@ -16,12 +16,13 @@ import pytest
 import torch
 
 from pictures import colour_pixels
+from tasks.checkpoints import CheckpointError, checkpoint_dirs
 from tasks.extract import ExtractJob, run_extraction
 from tasks.plots import TRAIN, VAL, training_curves
 from tasks.prepare import load_prepared, prepare
 from tasks.shards import ShardError
 from tasks.tracking import read_metrics
-from tasks.train import CheckpointError, TrainJob, checkpoint_dirs, run_training, simulated_acceptance_length
+from tasks.train import TrainJob, run_training, simulated_acceptance_length
 from tasks.train_data import TrainDataError
 from tasks.vocab import build_vocab, load_vocab, token_frequencies
 
