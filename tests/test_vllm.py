@@ -107,6 +107,13 @@ def test_regeneration_rewrites_answers_with_the_verifier_and_resumes(smollm2, sh
     new_turns = sum(m["role"] == "assistant" for line in lines[2:] for m in line["messages"])
     assert report["assistant_turns"] == new_turns  # only the two new conversations were generated
 
+    # a kill while the second chunk was being recorded: that chunk is redone whole, to the same bytes
+    recorded = resumed.read_bytes()
+    resumed.write_bytes(recorded[: recorded.rstrip(b"\n").rfind(b"\n") + 1])
+    regenerate(RegenerateJob(**{**job.__dict__, "max_rows": 4}), in_process=True)
+    assert resumed.read_bytes() == recorded
+    assert json.loads((tmp_path / "hf" / "report.json").read_text())["assistant_turns"] == new_turns
+
     # each answer is the verifier's own greedy continuation of the regenerated conversation so far
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
     model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.bfloat16).eval()
