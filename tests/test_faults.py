@@ -1,6 +1,5 @@
-"""A few trials of each fault kind of bench/faults.py (the full suite is that benchmark): random kills of
-real stage processes, damaged extraction folders, full disks and two runs on one folder, each
-ending identical to an uninterrupted run."""
+"""A few trials of bench/faults.py (the full suite is that benchmark): a random kill of real extraction
+processes, a damaged extraction folder, full disks, each ending identical to an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -39,8 +38,8 @@ def assert_all_held(trials) -> None:
 
 # The CI subset: a few seconds to a minute each. Training's kill and resume runs in tests/test_train.py (across
 # epochs, and the metrics log across a checkpoint), a part-recorded regeneration chunk in tests/test_vllm.py,
-# the other damage cases in tests/test_extract.py and tests/test_train.py; the flow's kills and 20 of each only
-# in the benchmark.
+# the other damage cases in tests/test_extract.py and tests/test_train.py, the folder lock in tests/test_extract.py;
+# the flow's kills, two runs at once and 20 of each only in the benchmark.
 def test_a_random_kill_of_two_extraction_workers_ends_identical(faults, inputs):
     trials = faults.kill_trials(inputs, "kill-extract-2", 1, random.Random(17))
     assert_all_held(trials)
@@ -60,6 +59,3 @@ def test_disk_too_small_or_filled_during_the_run(faults, inputs):
     assert [t.fault.split(" ")[0] for t in trials] == ["plan", "another"]
     assert_all_held(trials)  # refused before loading / a clear error; nothing partial; the re-run identical
 
-
-def test_two_runs_on_one_folder(faults, inputs):
-    assert_all_held(faults.concurrent_trials(inputs, 1, kinds=("extract-2",)))
