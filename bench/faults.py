@@ -222,7 +222,7 @@ def same_draft(a: Path, b: Path) -> bool:
 
 
 def metrics_records(folder: Path) -> list[dict]:
-    from tasks.train import read_metrics
+    from tasks.tracking import read_metrics
 
     return [{k: v for k, v in m.items() if k not in TIMING_FIELDS} for m in read_metrics(folder)]
 
@@ -595,10 +595,10 @@ def summarize(trials: list[Trial]) -> list[dict]:
     return rows
 
 
-def markdown(rows: list[dict], trials: list[Trial], command: str, seed: int, wall_s: float) -> str:
+def markdown(rows: list[dict], trials: list[Trial], commands: list[str], wall_s: float) -> str:
     head = list(rows[0])
-    lines = [f"Measured {time.strftime('%Y-%m-%d')} on this machine ({os.cpu_count()} CPU cores, no GPU), seed {seed}, "
-             f"{wall_s / 60:.0f} min:", "", f"    {command}", "",
+    lines = [f"Measured {time.strftime('%Y-%m-%d')} on this machine ({os.cpu_count()} CPU cores, no GPU), "
+             f"{wall_s / 60:.0f} min:", "", *(f"    {command}" for command in commands), "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(str(r[k]) for k in head) + " |" for r in rows]
     lines += ["", "Every trial:", "",
@@ -641,31 +641,42 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--work", default=None, help="scratch folder (default: a temporary one, removed after)")
     p.add_argument("--write", default=str(ROOT / "docs" / "RELIABILITY.md"), help="'' to skip writing")
-    p.add_argument("--render", metavar="LOG", help="only write the figures of an earlier run from its log")
+    p.add_argument("--render", metavar="LOG", nargs="+",
+                   help="only write the figures of earlier runs from their logs (a run cut short, then the rest)")
     a = p.parse_args(argv)
     if a.render:
-        text = Path(a.render).read_text()
-        found = re.findall(r"^\[faults ([\d:]+)\] [\w -/]+: (Trial\(.*\))$", text, re.M)
-        trials = [eval(t, {"Trial": Trial, "__builtins__": {}}) for _, t in found]  # our own log's reprs
-        took = re.search(r"^took (\d+) s$", text, re.M)
-        first, last = (time.strptime(found[i][0], "%H:%M:%S") for i in (0, -1))
-        wall = int(took[1]) if took else (time.mktime(last) - time.mktime(first)) % 86400
-        write_figures(Path(a.write), markdown(summarize(trials), trials, command_line(a), a.seed, wall))
+        trials, commands, wall = from_logs([Path(log) for log in a.render])
+        write_figures(Path(a.write), markdown(summarize(trials), trials, commands, wall))
         return 0
     t0 = time.monotonic()
+    log(f"command: {command_line(a)}")
     work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="eagle3-faults-"))
     inputs = Inputs(work)
     trials_for = {k: int(n) for k, n in (item.split("=") for item in a.trials_for)}
     trials = run_suite(inputs, a.kinds.split(","), a.trials, a.seed, trials_for)
     rows = summarize(trials)
     print(f"took {time.monotonic() - t0:.0f} s")
-    text = markdown(rows, trials, command_line(a), a.seed, time.monotonic() - t0)
+    text = markdown(rows, trials, [command_line(a)], time.monotonic() - t0)
     print(text)
     if a.write:
         write_figures(Path(a.write), text)
     if not a.work:
         shutil.rmtree(work, ignore_errors=True)
     return 0 if all(t.ok and t.identical for t in trials if t.kind != "disk" or "not run" not in t.note) else 1
+
+
+def from_logs(logs: list[Path]) -> tuple[list[Trial], list[str], float]:
+    """The trials, commands and wall time (summed) that the logs of earlier runs recorded."""
+    trials, commands, wall = [], [], 0.0
+    for path in logs:
+        text = path.read_text()
+        found = re.findall(r"^\[faults [\d:]+\] [\w -/]+: (Trial\(.*\))$", text, re.M)
+        trials += [eval(t, {"Trial": Trial, "__builtins__": {}}) for t in found]  # our own log's reprs
+        commands += re.findall(r"^\[faults [\d:]+\] command: (.*)$", text, re.M)
+        took = re.search(r"^took (\d+) s$", text, re.M)
+        stamps = [time.strptime(t, "%H:%M:%S") for t in re.findall(r"^\[faults ([\d:]+)\]", text, re.M)]
+        wall += int(took[1]) if took else (time.mktime(stamps[-1]) - time.mktime(stamps[0])) % 86400
+    return trials, commands, wall
 
 
 def command_line(a: argparse.Namespace) -> str:
