@@ -34,6 +34,7 @@ from prefect.artifacts import (
 from prefect.logging import get_run_logger
 from prefect.tasks import exponential_backoff
 
+import tasks.acceptance
 import tasks.chat_data
 import tasks.chat_template
 import tasks.draft_check
@@ -247,7 +248,7 @@ def _train_job(config: PipelineConfig, prepared: PreparedData, extracted: Extrac
 def _train_key(ctx, p) -> str:
     c: PipelineConfig = p["config"]
     return cache_key(ctx, p["extracted"].fingerprint, p["vocab"].fingerprint, c.train.model_dump(),
-                     c.output_dir, modules=(tasks.train, tasks.train_data, tasks.subprocess_runs))
+                     c.output_dir, modules=(tasks.train, tasks.train_data, tasks.acceptance, tasks.subprocess_runs))
 
 
 @task(name="train", cache_key_fn=_train_key, tags=["gpu"], **GPU_STAGE)
@@ -283,18 +284,19 @@ def _validate_key(ctx, p) -> str:
 def validate_task(config: PipelineConfig, trained: TrainResult, extracted: ExtractResult) -> ValidationResult:
     out = stage_dir(config, "validation") / trained.fingerprint[:16]
     result = validate(trained.draft_path, config.verifier.path, extracted.layers[:3], config.validation, out,
-                      simulated_acceptance_length=trained.simulated_acceptance_length)
+                      simulated_acceptance_length=trained.simulated_acceptance_length,
+                      replayed_acceptance_length=trained.val_metrics.get("replayed_acceptance_length"))
     create_markdown_artifact(markdown=Path(result.report_markdown).read_text(), key="draft-validation",
                              description="static checks and vLLM-measured acceptance")
-    simulated = tasks.train.per_position_acceptance(trained.val_metrics, config.train.ttt_steps) \
-        if trained.val_metrics else []  # train.val_fraction=0: nothing simulated
-    if simulated or result.per_position_acceptance:
-        png = tasks.plots.acceptance_per_position(
-            simulated, result.per_position_acceptance, out / "acceptance.png",
-            simulated_length=trained.simulated_acceptance_length if simulated else None,
-            measured_length=result.mean_acceptance_length)
+    # greedy decoding replayed on held-out samples counts what vLLM counts (train.val_fraction=0: none)
+    replayed = tasks.acceptance.replayed_per_position(trained.val_metrics, config.train.ttt_steps)
+    replayed_length = trained.val_metrics.get("replayed_acceptance_length")
+    if replayed or result.per_position_acceptance:
+        png = tasks.plots.acceptance_per_position(replayed, result.per_position_acceptance, out / "acceptance.png",
+                                                  replayed_length=replayed_length,
+                                                  measured_length=result.mean_acceptance_length)
         show_picture(png, "draft-acceptance-per-position", "acceptance per draft position; acceptance length "
-                     f"simulated {tasks.validate.fmt(trained.simulated_acceptance_length if simulated else None)}, "
+                     f"replayed {tasks.validate.fmt(replayed_length)}, "
                      f"vLLM {tasks.validate.fmt(result.mean_acceptance_length)}")
     get_run_logger().info("validation report: %s", result.report_markdown)
     return result

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from tasks.acceptance import replay_speculative_decoding
 from tasks.progress import Progress, ProgressCallback
 from tasks.subprocess_runs import progress_file_callback, reporting_errors, run_processes
 from tasks.tracking import TrainingLog
@@ -386,7 +387,8 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
                 if rank == 0 and val:
                     metrics_log.write({"split": "val", "step": step, **val, "simulated_acceptance_length": acceptance})
                     log.info("validation at step %d: simulated acceptance length %.3f (best %.3f at step %d), "
-                             "loss %.4f", step, acceptance, best["acceptance"], best["step"], val["loss"])
+                             "replayed %.3f, loss %.4f", step, acceptance, best["acceptance"], best["step"],
+                             val["replayed_acceptance_length"], val["loss"])
                 elif rank == 0:
                     log.info("checkpoint at step %d (train.val_fraction=0: no validation, the latest checkpoint "
                              "is the one exported)", step)
@@ -411,9 +413,12 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
         steady_tokens_per_s=round(steady_tokens / steady_s, 1) if steady_s else None,
         wall_s=round(time.monotonic() - t0, 2),
     )
-    log.info("draft exported to %s: best step %d, simulated acceptance length %.3f (k=%d); %s tokens trained, "
-             "steady state %s tokens/s (compilation, validation and checkpoints excluded), %.0f s wall", draft,
-             best["step"], best["acceptance"], s.ttt_steps, f"{trained_tokens:,}",
+    replayed = best["metrics"].get("replayed_acceptance_length")
+    log.info("draft exported to %s: best step %d, simulated acceptance length %.3f (k=%d), replayed %s "
+             "(what vLLM should measure on answers like these); %s tokens trained, steady state %s tokens/s "
+             "(compilation, validation and checkpoints excluded), %.0f s wall", draft, best["step"],
+             best["acceptance"], s.ttt_steps, "n/a" if replayed is None else f"{replayed:.3f}",
+             f"{trained_tokens:,}",
              f"{result.steady_tokens_per_s:,.0f}" if result.steady_tokens_per_s else "n/a", result.wall_s)
     return result
 
@@ -421,32 +426,50 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
 def evaluate(net, dataset: ShardDataset | None, total_seq_len: int, hidden: int, dtype: torch.dtype,
              device: torch.device, call: dict, world: int = 1, rank: int = 0, seed: int = 0) -> dict[str, float]:
     """Loss and per-position metrics of a draft over a dataset (its packed batches split over the
-    ranks; sums all-reduced). Accuracies are token counts, so they do not depend on the batching."""
+    ranks; sums all-reduced), and greedy speculative decoding replayed over it (tasks/acceptance.py).
+    Accuracies are token counts, so they do not depend on the batching."""
     net.eval()
+    model = net.module if isinstance(net, torch.nn.parallel.DistributedDataParallel) else net
     sums: dict[str, torch.Tensor] = {}
     sampler = StepBatches(dataset.lengths(), total_seq_len, world, rank, 1, seed, 0) if dataset else []
     if dataset and len(sampler):
         with torch.no_grad(), torch.autocast(device.type, dtype, enabled=device.type == "cuda"):
             for batch in make_loader(dataset, sampler, total_seq_len, hidden, dtype, 0):
-                _, _, metrics = net(**{k: batch[k].to(device) for k in MODEL_INPUTS}, **call)
+                inputs = {k: batch[k].to(device) for k in MODEL_INPUTS}
+                draft_tokens, _, metrics = net(**inputs, **call)
                 accumulate(sums, metrics)
+                # the targets speculators' forward computes and does not return
+                targets = model.verifier_lm_head(model.verifier_norm(inputs["verifier_last_hidden_states"]))
+                accumulate(sums, replay_speculative_decoding(draft_tokens, targets.argmax(-1), inputs["loss_mask"],
+                                                             inputs["document_ids"]))
     return reduce_metrics(sums, world > 1)
 
 
 def evaluate_draft(draft: str | Path, manifest: str | Path, prepared_path: str | Path, ttt_steps: int = 3,
-                   total_seq_len: int = 8192) -> dict[str, float]:
-    """Per-position metrics of a saved draft (speculators' format) on extracted samples."""
+                   total_seq_len: int = 8192, verifier: str | Path | None = None,
+                   samples: list[int] | None = None) -> dict[str, float]:
+    """Per-position metrics of a saved draft (speculators' format) on extracted samples (all, or the
+    manifest's rows `samples`). The draft's files leave out the verifier's token embeddings (vLLM
+    shares the verifier's); they are read from `verifier`, by default the folder the draft records."""
     from speculators import SpeculatorModel
     from speculators.losses import resolve_loss_config
     from speculators.models.eagle3 import Eagle3SpeculatorConfig
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config = Eagle3SpeculatorConfig.from_pretrained(draft)
+    if verifier is not None:
+        config.speculators_config.verifier.name_or_path = str(verifier)
     # the attention implementation is chosen when the model is built (speculators sets it in __init__)
     config.transformer_layer_config._attn_implementation = "simple_flex_attention" if device.type == "cuda" else "sdpa"
-    model = SpeculatorModel.from_pretrained(draft, config=config).to(device).float()
+    model = SpeculatorModel.from_pretrained(draft, config=config)
+    # from_pretrained leaves the weights the files lack as uninitialised memory, which speculators
+    # takes for loaded unless it is NaN: mark the embeddings unloaded so they come from the verifier
+    # (else the metrics depend on what that memory held; speculators 0.9, transformers 5)
+    torch.nn.init.constant_(model.embed_tokens.weight, torch.nan)
+    model.load_verifier_weights()
+    model = model.to(device).float()
     call = {"ttt_steps": ttt_steps, "ttt_step_loss_decay": 1.0, "loss_config": resolve_loss_config("kl_div", "eager")}
-    dataset = ShardDataset(manifest, prepared_path)
+    dataset = ShardDataset(manifest, prepared_path, samples)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     return evaluate(model, dataset, total_seq_len, read_manifest(manifest)["hidden_size"], dtype, device, call)
 
