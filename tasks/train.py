@@ -445,17 +445,13 @@ def evaluate(net, dataset: ShardDataset | None, total_seq_len: int, hidden: int,
     return reduce_metrics(sums, world > 1)
 
 
-def evaluate_draft(draft: str | Path, manifest: str | Path, prepared_path: str | Path, ttt_steps: int = 3,
-                   total_seq_len: int = 8192, verifier: str | Path | None = None,
-                   samples: list[int] | None = None) -> dict[str, float]:
-    """Per-position metrics of a saved draft (speculators' format) on extracted samples (all, or the
-    manifest's rows `samples`). The draft's files leave out the verifier's token embeddings (vLLM
-    shares the verifier's); they are read from `verifier`, by default the folder the draft records."""
+def load_draft(draft: str | Path, device: torch.device, verifier: str | Path | None = None):
+    """A saved draft (speculators' format) in float32, ready to evaluate. The draft's files leave out
+    the verifier's token embeddings (vLLM shares the verifier's); they are read from `verifier`, by
+    default the folder the draft records."""
     from speculators import SpeculatorModel
-    from speculators.losses import resolve_loss_config
     from speculators.models.eagle3 import Eagle3SpeculatorConfig
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config = Eagle3SpeculatorConfig.from_pretrained(draft)
     if verifier is not None:
         config.speculators_config.verifier.name_or_path = str(verifier)
@@ -467,7 +463,18 @@ def evaluate_draft(draft: str | Path, manifest: str | Path, prepared_path: str |
     # (else the metrics depend on what that memory held; speculators 0.9, transformers 5)
     torch.nn.init.constant_(model.embed_tokens.weight, torch.nan)
     model.load_verifier_weights()
-    model = model.to(device).float()
+    return model.to(device).float()
+
+
+def evaluate_draft(draft: str | Path, manifest: str | Path, prepared_path: str | Path, ttt_steps: int = 3,
+                   total_seq_len: int = 8192, verifier: str | Path | None = None,
+                   samples: list[int] | None = None) -> dict[str, float]:
+    """Per-position metrics of a saved draft on extracted samples (all, or the manifest's rows
+    `samples`), with greedy speculative decoding replayed over them."""
+    from speculators.losses import resolve_loss_config
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_draft(draft, device, verifier)
     call = {"ttt_steps": ttt_steps, "ttt_step_loss_decay": 1.0, "loss_config": resolve_loss_config("kl_div", "eager")}
     dataset = ShardDataset(manifest, prepared_path, samples)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

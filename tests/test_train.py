@@ -106,10 +106,18 @@ def test_best_checkpoint_is_chosen_by_simulated_acceptance(data, smollm2, tmp_pa
     assert 1.0 <= best["replayed_acceptance_length"] <= best["simulated_acceptance_length"] + 1e-6
 
     # the exported draft, loaded in speculators' format, scores on the held-out samples what training
-    # logged for its step (bf16 export against float32 training); its files lack the embeddings, so
-    # this fails when they are not read from the verifier
+    # logged for its step (bf16 export against float32 training). Its files lack the embeddings, which
+    # must come from the verifier: left to chance they hold whatever the memory held, a freed copy in
+    # a process that loaded the verifier before (this one), garbage in a fresh one (checked there)
     from tasks.shards import ShardReader
     from tasks.train_data import split_indices
+
+    fresh = subprocess.run([sys.executable, "-c", (
+        "import sys, torch; from safetensors.torch import load_file; from tasks.train import load_draft; "
+        f"v = load_file({str(Path(smollm2) / 'model.safetensors')!r})['model.embed_tokens.weight'].float(); "
+        f"sys.exit(0 if torch.equal(load_draft({result.draft_path!r}, torch.device('cpu')).embed_tokens.weight, v) "
+        "else 3)")], capture_output=True, text=True)
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
 
     _, held_out = split_indices(ShardReader(data[1].manifest).sample_ids, FAST["val_fraction"])
     reloaded = evaluate_draft(result.draft_path, data[1].manifest, data[0].path, samples=held_out,
