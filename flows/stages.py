@@ -201,8 +201,13 @@ def extract_task(config: PipelineConfig, prepared: PreparedData) -> ExtractResul
                               description=f"{plan.describe().splitlines()[0]}; estimated time {plan.estimate_text()}")
         planned_rate.append(plan.pending_tokens / plan.est_seconds if plan.est_seconds else None)
 
-    result = run_extraction(_extract_job(config, prepared), on_plan=show_plan,
-                            callback=ProgressArtifact("hidden-state extraction"))
+    job, progress = _extract_job(config, prepared), ProgressArtifact("hidden-state extraction")
+    if config.cluster.executor == "ray":  # one task per rank on the cluster (flows/ray_stages.py)
+        from flows.ray_stages import extract_on_ray
+
+        result = extract_on_ray(config.cluster, job, on_plan=show_plan, callback=progress)
+    else:
+        result = run_extraction(job, on_plan=show_plan, callback=progress)
     get_run_logger().info("extraction: %s", result)
     if result.shards_extracted:  # nothing measured when every shard was already on disk
         manifest = Path(result.manifest)
@@ -254,7 +259,14 @@ def _train_key(ctx, p) -> str:
 def train_task(config: PipelineConfig, prepared: PreparedData, extracted: ExtractResult,
                vocab: VocabResult) -> TrainResult:
     job = _train_job(config, prepared, extracted, vocab)
-    result = run_training(job, extracted.fingerprint, vocab.fingerprint, callback=ProgressArtifact("draft training"))
+    progress = ProgressArtifact("draft training")
+    if config.cluster.executor == "ray":  # across cluster.train_nodes nodes, through Ray Train (tasks/train_ray.py)
+        from tasks.train_ray import run_training_on_ray
+
+        result = run_training_on_ray(job, extracted.fingerprint, vocab.fingerprint, nodes=config.cluster.train_nodes,
+                                     accelerator=config.cluster.accelerator, callback=progress)
+    else:
+        result = run_training(job, extracted.fingerprint, vocab.fingerprint, callback=progress)
     metrics = tasks.tracking.read_metrics(job.out_dir)
     val = [m for m in metrics if m["split"] == "val"]
     create_table_artifact(

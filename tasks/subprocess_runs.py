@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -177,7 +177,7 @@ def run_processes(commands: list[list[str]], progress_files: list[Path], callbac
     try:
         procs = [subprocess.Popen(cmd, env=envs[i] if envs else None, stdout=outputs[i],
                                   stderr=subprocess.STDOUT if outputs[i] else None) for i, cmd in enumerate(commands)]
-        follow(procs, progress_files, callback, poll_s)
+        follow(lambda: any(p.poll() is None for p in procs), progress_files, callback, poll_s)
     finally:
         for f in outputs:
             if f is not None:
@@ -207,17 +207,18 @@ def worker_failure(failed: dict[int, int], progress_files: list[Path], label: st
     return exc
 
 
-def follow(procs: list[subprocess.Popen], progress_files: list[Path], callback: ProgressCallback | None,
+def follow(running: Callable[[], bool], progress_files: list[Path], callback: ProgressCallback | None,
            poll_s: float) -> None:
-    """Until every process has exited, pass their merged progress to `callback` when it changes."""
+    """While `running()`, pass the merged progress of the files to `callback` when it changes (the
+    files of processes here, or of ranks on other nodes writing into a shared folder)."""
     followers = [ProgressFile(path) for path in progress_files]
     last = None
     while True:
-        running = any(p.poll() is None for p in procs)
+        still_running = running()
         merged = merge_progress([f.latest() for f in followers])
         if callback is not None and merged is not None and merged != last:
             callback(merged)
             last = merged
-        if not running:
+        if not still_running:
             break  # read once more after the last exit: the workers' final events
         time.sleep(poll_s)
