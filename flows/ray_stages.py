@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import sys
 import time
@@ -56,10 +57,11 @@ class ClusterError(PermanentError, RuntimeError):
 def ray_runner(cluster: ClusterSettings):
     """prefect-ray's task runner on the configured cluster. Entering it joins the cluster (or starts
     Ray on this machine when no address is set) unless this process is already connected."""
+    if not cluster.address:  # a Ray of this run's own stays on the loopback interface (Ray has no
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # authentication), read at its import
     from prefect_ray import RayTaskRunner
 
-    return RayTaskRunner(address=cluster.address, init_kwargs={"include_dashboard": False} if not cluster.address
-                         else {})
+    return RayTaskRunner(address=cluster.address, init_kwargs={} if cluster.address else {"include_dashboard": False})
 
 
 @contextmanager
@@ -104,14 +106,15 @@ def check_shared_folder(runner, folder: Path) -> None:
         for node in nodes:
             strategy = NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
             with remote_options(num_cpus=0, scheduling_strategy=strategy, max_retries=0):
-                futures.append(runner.submit(probe_folder, {"marker": str(marker), "node_ip": node["NodeManagerAddress"]}))
+                futures.append(runner.submit(probe_folder, {"marker": str(marker),
+                                                            "node_ip": node["NodeManagerAddress"]}))
         seen = [f.result(timeout=300) for f in futures]
     finally:
         marker.unlink(missing_ok=True)
     blind = [s for s in seen if s["read"] != token]
     if blind:
-        names = ", ".join(f"{s['ip']} ({s['host']}): {'no such file' if s['read'] is None else 'another file'}"
-                          for s in blind)
+        names = ", ".join(f"{s['ip']} ({s['host']}, node {s['node_id'][:8]}): "
+                          + ("no such file" if s["read"] is None else "another file") for s in blind)
         raise ClusterError(
             f"{len(blind)} of {len(seen)} Ray nodes do not see the output folder {folder} the flow writes: they "
             f"cannot read the marker {marker.name} it wrote there ({names}). Every node must mount the same shared "
@@ -123,7 +126,10 @@ def check_shared_folder(runner, folder: Path) -> None:
 
 
 def rank_resources(cluster: ClusterSettings, accelerators: int) -> dict:
-    """Ray options for one rank: its accelerators (GPUs, or the configured custom resource) and a CPU."""
+    """Ray options for one rank: its accelerators (GPUs, the configured custom resource, or CPUs on a
+    cluster without accelerators) and a CPU."""
+    if cluster.accelerator == "CPU":
+        return {"num_cpus": accelerators}
     if cluster.accelerator == "GPU":
         return {"num_cpus": 1, "num_gpus": accelerators}
     return {"num_cpus": 1, "resources": {cluster.accelerator: accelerators}}

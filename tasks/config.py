@@ -161,8 +161,8 @@ class ClusterSettings(Section):
         None, description="ray: the cluster to join ('auto' on a node of a running cluster, or the head's "
         "HOST:PORT); unset: a Ray instance started on this machine for the run.")
     accelerator: str = Field(
-        "GPU", description="ray: the Ray resource a rank or training process requests per GPU ('GPU', or a custom "
-        "resource name a node advertises).")
+        "GPU", description="ray: the Ray resource a rank or training process requests per GPU: 'GPU', a custom "
+        "resource name its nodes advertise, or 'CPU' on a cluster without accelerators (a CPU each).")
     ranks: int | None = Field(
         None, gt=0, description="ray: extraction ranks (shard i goes to rank i % ranks); default: as many as the "
         "cluster's accelerators hold at once (transformers: 1 per rank, vLLM: extract.tensor_parallel_size).")

@@ -52,14 +52,14 @@ def run_training_on_ray(job: TrainJob, manifest_fp: str, vocab_fp: str, *, nodes
     job_file.write_text(json.dumps(asdict(per_process)))
     for stale in (result_file, progress_file, errors_file(progress_file)):  # an earlier attempt's
         stale.unlink(missing_ok=True)
-    gpu = accelerator == "GPU"
+    gpu, cpu_only = accelerator == "GPU", accelerator == "CPU"
     trainer = TorchTrainer(
         train_process,
         train_loop_config={"argv": ["--job", str(job_file), "--result", str(result_file),
                                     "--progress-file", str(progress_file)]},
         torch_config=TorchConfig(backend="nccl" if gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=nodes * s.nproc, use_gpu=gpu,
-                                     resources_per_worker={"CPU": 1, accelerator: 1}),
+                                     resources_per_worker={"CPU": 1, accelerator: 1} if not cpu_only else {"CPU": 1}),
         run_config=RunConfig(name=f"train-{fingerprint[:16]}", storage_path=str(out_dir / "ray-train"),
                              failure_config=FailureConfig(max_failures=0)),
     )

@@ -7,14 +7,18 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
 import pytest
 
 from flow_support import small_config, task_states, write_sample_data
+from tasks.errors import is_deterministic
 from tasks.extract import ExtractJob, run_extraction
 from tasks.shards import Journal
 from tasks.train import TrainJob, read_metrics, run_training
@@ -80,7 +84,7 @@ def extraction_flow():
 def run_flow(flow, config):
     state = flow(config, return_state=True)
     assert state.is_completed(), state
-    return state.result(), task_states(state.state_details.flow_run_id)
+    return state.result(), task_states(state.state_details.flow_run_id), state.state_details.flow_run_id
 
 
 def shard_bytes(folder: Path) -> dict[str, bytes]:
@@ -98,7 +102,7 @@ def ray_run(prefect_api, cluster, workspace):
 
     root, data = workspace
     config = ray_config(root / "out", data, cluster[0], train=TRAIN, ray={"train_nodes": 2})
-    result, states = run_flow(eagle3_pipeline, config)
+    result, states, _ = run_flow(eagle3_pipeline, config)
     return config, result, states
 
 
@@ -171,7 +175,77 @@ def test_a_rank_whose_node_is_lost_runs_again_on_the_other_node(prefect_api, clu
 
     watcher = threading.Thread(target=remove_a_node_after_its_rank_wrote_a_shard, daemon=True)
     watcher.start()
-    (prepared, extracted), states = run_flow(extraction_flow(), config)
-    watcher.join(timeout=5)
-    print(lost, psutil.pid_exists(lost["pid"]) if lost else None, states)
+    try:
+        (prepared, extracted), states, flow_run_id = run_flow(extraction_flow(), config)
+    finally:
+        watcher.join(timeout=5)
+        if lost:  # the cluster as the other tests found it: two worker nodes
+            workers.remove(lost["node"])
+            workers.append(ray_cluster.add_node(num_cpus=1, resources={ACCEL: 1}))
     assert lost, "the ranks finished before a node could be removed"
+    assert not psutil.pid_exists(lost["pid"])  # the rank's worker process went with its node
+    assert states["extract"] == ("Completed", 1)  # the stage itself never failed
+    assert states["extract rank 0 of 2"][0] == states["extract rank 1 of 2"][0] == "Completed"
+    started_on = rank_nodes(flow_run_id)
+    lost_node = lost["node"].node_id[:12]
+    lost_rank = next(rank for rank, nodes in started_on.items() if nodes[0] == lost_node)
+    assert len(started_on[lost_rank]) == 2 and started_on[lost_rank][1] != lost_node  # again, on the other node
+    journal = [json.loads(line)["name"] for f in (root / "lost" / "hidden_states" / "journal").glob("*.jsonl")
+               for line in f.read_text().splitlines()]
+    assert sorted(journal) == sorted(set(journal)) and len(journal) == extracted.shards  # none written twice
+    reference = run_extraction(ExtractJob(prepared.path, prepared.fingerprint, smollm2, str(root / "lost-local"),
+                                          settings=config.extract.model_dump()), in_process=True)
+    assert shard_bytes(Path(extracted.manifest).parent) == shard_bytes(root / "lost-local")
+
+
+def rank_nodes(flow_run_id) -> dict[int, list[str]]:
+    """{rank: the nodes (id prefixes) its task started on, in order}, from the flow run's logs in the
+    Prefect API ('rank R of N on node ID (host)')."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import LogSort
+
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), sort=LogSort.TIMESTAMP_ASC)
+    out: dict[int, list[str]] = {}
+    for m in logs:
+        if m.message.startswith("rank ") and " on node " in m.message:
+            out.setdefault(int(m.message.split()[1]), []).append(m.message.split(" on node ")[1].split()[0])
+    return out
+
+
+@contextmanager
+def node_not_seeing(folder: Path, gcs_address: str):
+    """A third node whose processes see an empty folder at `folder` (a tmpfs mounted over it in a mount
+    namespace of their own): a node where the shared filesystem is not mounted."""
+    script = Path(__file__).with_name("ray_node.py")
+    log = (folder.parent / "blind-node.log").open("wb")
+    proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                             f'mount -t tmpfs tmpfs "{folder}" && exec "{sys.executable}" "{script}" "{gcs_address}"'],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+        log.close()
+
+
+def test_a_node_that_does_not_see_the_output_folder_stops_the_run_before_any_stage(prefect_api, cluster, workspace):
+    from flows.ray_stages import ClusterError
+
+    ray_cluster, _ = cluster
+    root, data = workspace
+    out = root / "blind"
+    out.mkdir()
+    with node_not_seeing(out, ray_cluster.address) as node:
+        deadline = time.monotonic() + 120
+        while sum(n["Alive"] for n in ray_cluster.global_state.node_table()) < 4:
+            assert node.poll() is None and time.monotonic() < deadline, (root / "blind-node.log").read_text()
+            time.sleep(0.5)
+        state = extraction_flow()(ray_config(out, data, ray_cluster), return_state=True)
+    assert state.is_failed()
+    error = state.result(raise_on_failure=False)
+    assert isinstance(error, ClusterError) and is_deterministic(error)
+    assert f"1 of 4 Ray nodes do not see the output folder {out}" in str(error) and "no such file" in str(error)
+    assert list(out.iterdir()) == []  # no stage ran, and the marker is gone
