@@ -76,7 +76,8 @@ class ExtractSettings(Section):
     )
     tensor_parallel_size: int = Field(1, gt=0, description="vLLM backend.")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vLLM backend.")
-    workers: int = Field(1, gt=0, description="Data-parallel extraction processes (one per GPU).")
+    workers: int = Field(1, gt=0, description="Data-parallel extraction processes (one per GPU) on this machine; "
+                         "with cluster.executor 'ray', cluster.ranks instead.")
     reserve_disk_gb: float = Field(5.0, ge=0, description="Refuse to start unless this much disk stays free.")
     verify: Literal["full", "quick"] = Field(
         "full",
