@@ -21,7 +21,8 @@ import pytest
 from flow_support import small_config, task_states, write_sample_data
 from tasks.errors import is_deterministic
 from tasks.extract import ExtractJob, run_extraction
-from tasks.train import TrainJob, read_metrics, run_training
+from tasks.tracking import read_metrics
+from tasks.train import TrainJob, run_training
 
 # Every node of the local cluster on the loopback address (by default Ray advertises the machine's
 # first interface): read by Ray when it is imported, here and in the processes its nodes start.
