@@ -67,16 +67,17 @@ class ProgressFile:
         return self.last
 
 
-def merge_progress(events: list) -> ProgressEvent | None:
-    """One event for all workers: their extraction summed, or while none extracts yet, the first
-    worker's (a load; the only event of a single process)."""
+def merge_progress(events: list, work: str = "extract") -> ProgressEvent | None:
+    """One event for all workers: their `work` (the stage their events name: extract, regenerate)
+    summed, or while none has started it, the first worker's (a load; the only event of a single
+    process)."""
     started = [e for e in events if e is not None]
-    events = [e for e in started if e.stage.startswith("extract")]
+    events = [e for e in started if e.stage.startswith(work)]
     if not events:
         return started[0] if started else None
     rate = sum(e.rate or 0 for e in events) or None
     done, total = sum(e.done for e in events), sum(e.total for e in events)
-    return ProgressEvent("extract", done, total, "tok", rate, (total - done) / rate if rate else None,
+    return ProgressEvent(work, done, total, events[0].unit, rate, (total - done) / rate if rate else None,
                          max(e.elapsed_s for e in events), f"{len(events)} workers")
 
 
@@ -163,6 +164,20 @@ def output_tail(path: Path, lines: int = 25) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.is_file() else ""
 
 
+def write_job_file(job) -> Path:
+    """The job (a dataclass) as JSON in `<job.out_dir>/progress/job.json`, for its worker processes."""
+    path = Path(job.out_dir) / "progress" / "job.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(asdict(job)))
+    return path
+
+
+def worker_command(module: str, job_file: Path, rank: int, world_size: int, progress_file: Path) -> list[str]:
+    """A stage's worker process: `python -m MODULE --job JOB --rank R --world-size N --progress-file F`."""
+    return [sys.executable, "-m", module, "--job", str(job_file), "--rank", str(rank), "--world-size",
+            str(world_size), "--progress-file", str(progress_file)]
+
+
 def run_processes(commands: list[list[str]], progress_files: list[Path], callback: ProgressCallback | None,
                   envs: list[dict[str, str]] | None = None, poll_s: float = 2.0, label: str = "worker",
                   logs: list[Path] | None = None) -> None:
@@ -208,14 +223,14 @@ def worker_failure(failed: dict[int, int], progress_files: list[Path], label: st
 
 
 def follow(running: Callable[[], bool], progress_files: list[Path], callback: ProgressCallback | None,
-           poll_s: float) -> None:
+           poll_s: float, work: str = "extract") -> None:
     """While `running()`, pass the merged progress of the files to `callback` when it changes (the
     files of processes here, or of ranks on other nodes writing into a shared folder)."""
     followers = [ProgressFile(path) for path in progress_files]
     last = None
     while True:
         still_running = running()
-        merged = merge_progress([f.latest() for f in followers])
+        merged = merge_progress([f.latest() for f in followers], work)
         if callback is not None and merged is not None and merged != last:
             callback(merged)
             last = merged
