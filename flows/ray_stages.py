@@ -9,6 +9,9 @@ cluster, through prefect-ray's `RayTaskRunner`. Design and a worked plan: docs/S
                                as a local run (`python -m tasks.extract --rank r --world-size N`)
                                into the shared folder; then one task verifies the folder and writes
                                the manifest
+    regenerate_on_ray          the same shape for answer regeneration (prepare's first step):
+                               one `regenerate-rank` task per rank (chunk c by rank c % N), then
+                               one task writes the conversations file in source order
 
 A rank's task retries a transient failure alone, on its node, resuming from its finished shards
 (Prefect's retries, as the local stage). Prefect's retries run in the task's own process, so they
@@ -20,16 +23,14 @@ either executor and any number of ranks.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
-import sys
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 from prefect import task
@@ -42,7 +43,8 @@ from tasks.errors import PermanentError
 from tasks.extract import ExtractJob, ExtractResult, load_inputs, run_extraction
 from tasks.extract_plan import check_disk, make_plan
 from tasks.progress import ProgressCallback, ProgressEvent
-from tasks.subprocess_runs import follow, run_processes
+from tasks.regenerate import RegenerateJob, write_regenerated
+from tasks.subprocess_runs import follow, run_processes, worker_command, write_job_file
 
 log = logging.getLogger(__name__)
 
@@ -150,21 +152,41 @@ def rank_count(cluster: ClusterSettings, accelerators: int) -> int:
     return total // accelerators
 
 
-@task(name="extract-rank", task_run_name="extract rank {rank} of {world_size}", cache_policy=NO_CACHE, **GPU_STAGE)
-def extract_rank(job: ExtractJob, rank: int, world_size: int) -> dict:
-    """Rank `rank` of `world_size`: its pending shards (shard i % world_size == rank) written into the
-    shared folder by the local stage's worker process, which a retry resumes from its finished shards."""
+@task(name="rank", task_run_name="{stage} rank {rank} of {world_size}", cache_policy=NO_CACHE, **GPU_STAGE)
+def rank_task(stage: str, module: str, job_file: str, rank: int, world_size: int) -> dict:
+    """Rank `rank` of `world_size` of a stage: the local stage's worker process (`python -m
+    module`) on this node, writing its part of the work into the shared folder; a retry resumes
+    from what it finished."""
     import ray
 
-    progress_file = Path(job.out_dir) / "progress" / f"rank-{rank}.jsonl"
-    command = [sys.executable, "-m", "tasks.extract", "--job", str(progress_file.with_name("job.json")),
-               "--rank", str(rank), "--world-size", str(world_size), "--progress-file", str(progress_file)]
+    progress_file = Path(job_file).with_name(f"rank-{rank}.jsonl")
     node = ray.get_runtime_context().get_node_id()
     get_run_logger().info("rank %d of %d on node %s (%s)", rank, world_size, node[:12], socket.gethostname())
     t0 = time.monotonic()
-    run_processes([command], [progress_file], ProgressArtifact(f"extraction rank {rank}"),
-                  label=f"extraction rank {rank}")
+    run_processes([worker_command(module, Path(job_file), rank, world_size, progress_file)], [progress_file],
+                  ProgressArtifact(f"{stage} rank {rank}"), label=f"{stage} rank {rank}")
     return {"rank": rank, "node_id": node, "host": socket.gethostname(), "wall_s": round(time.monotonic() - t0, 2)}
+
+
+def run_ranks(runner, cluster: ClusterSettings, stage: str, module: str, job, ranks: int, accelerators: int,
+              callback: ProgressCallback | None) -> None:
+    """One `rank_task` per rank on the cluster, each requesting `accelerators`; their progress files
+    merged into `callback` while they run. Raises the first failed rank's exception, as it was
+    raised, once all have ended."""
+    from prefect_ray.context import remote_options
+
+    job_file = write_job_file(job)
+    log.info("%s: %d ranks on the Ray cluster, %d %s each", stage, ranks, accelerators, cluster.accelerator)
+    with remote_options(**rank_resources(cluster, accelerators), max_retries=NODE_LOSS_RETRIES):
+        futures = [runner.submit(rank_task.with_options(name=f"{stage}-rank"),
+                                 {"stage": stage, "module": module, "job_file": str(job_file), "rank": r,
+                                  "world_size": ranks})
+                   for r in range(ranks)]
+    follow(lambda: not all_done(futures), [job_file.with_name(f"rank-{r}.jsonl") for r in range(ranks)], callback,
+           poll_s=2.0, work=stage)
+    ranks_run = [f.result() for f in futures]  # the first failed rank's exception, as it was raised
+    log.info("%s ranks done: %s", stage, ", ".join(f"{r['rank']} on {r['host']} ({r['node_id'][:8]}) in "
+                                                   f"{r['wall_s']} s" for r in ranks_run))
 
 
 @task(name="verify-extraction", cache_policy=NO_CACHE)
@@ -177,8 +199,6 @@ def verify_extraction_task(job: ExtractJob) -> ExtractResult:
 def extract_on_ray(cluster: ClusterSettings, job: ExtractJob, *, on_plan=None,
                    callback: ProgressCallback | None = None) -> ExtractResult:
     """The extract stage on the cluster (module docstring); the result a local run returns."""
-    from prefect_ray.context import remote_options
-
     t0 = time.monotonic()
     s = job.extract_settings
     out_dir = Path(job.out_dir).resolve()
@@ -191,39 +211,49 @@ def extract_on_ray(cluster: ClusterSettings, job: ExtractJob, *, on_plan=None,
     check_disk(plan, out_dir, s.reserve_disk_gb)
     pending_shards, pending_tokens = len(plan.pending), plan.pending_tokens
     last: list[ProgressEvent] = []
+
+    def report(event: ProgressEvent) -> None:
+        if event.stage.startswith("extract"):
+            last[:] = [event]
+            if plan.calibrate(event) and on_plan is not None:
+                on_plan(plan)
+        if callback is not None:
+            callback(event)
+
     t_extract = time.monotonic()
     if plan.pending:
         accelerators = s.tensor_parallel_size if s.backend == "vllm" else 1
         with ray_runner(cluster) as runner:
-            ranks = rank_count(cluster, accelerators)
-            log.info("extracting %d shards with %d ranks on the Ray cluster, %d %s each", pending_shards, ranks,
-                     accelerators, cluster.accelerator)
-            progress_dir = out_dir / "progress"
-            progress_dir.mkdir(parents=True, exist_ok=True)
-            (progress_dir / "job.json").write_text(json.dumps(asdict(job)))
-            with remote_options(**rank_resources(cluster, accelerators), max_retries=NODE_LOSS_RETRIES):
-                futures = [runner.submit(extract_rank, {"job": job, "rank": r, "world_size": ranks})
-                           for r in range(ranks)]
-
-            def report(event: ProgressEvent) -> None:
-                if event.stage.startswith("extract"):
-                    last[:] = [event]
-                    if plan.calibrate(event) and on_plan is not None:
-                        on_plan(plan)
-                if callback is not None:
-                    callback(event)
-
-            follow(lambda: not all_done(futures), [progress_dir / f"rank-{r}.jsonl" for r in range(ranks)], report,
-                   poll_s=2.0)
-            ranks_run = [f.result() for f in futures]  # the first failed rank's exception, as it was raised
-        log.info("ranks done: %s", ", ".join(f"{r['rank']} on {r['host']} ({r['node_id'][:8]}) in {r['wall_s']} s"
-                                               for r in ranks_run))
+            run_ranks(runner, cluster, "extract", "tasks.extract", job, rank_count(cluster, accelerators),
+                      accelerators, report)
     extract_s = time.monotonic() - t_extract
     verified = verify_extraction_task(job)
     steady = last[0].rate if last else None
     return replace(verified, shards_extracted=pending_shards, verifier_loaded=pending_tokens > 0,
                    wall_s=round(time.monotonic() - t0, 2), steady_tokens_per_s=round(steady, 1) if steady else None,
                    wall_tokens_per_s=round(pending_tokens / extract_s, 1) if pending_tokens else None)
+
+
+# ---------------------------------------------------------------------------- regeneration
+
+
+@task(name="merge-regenerated", cache_policy=NO_CACHE)
+def merge_regenerated_task(job: RegenerateJob, world_size: int) -> Path:
+    """Every conversation regenerated: the outputs in source order, the ranks' reports summed."""
+    return write_regenerated(job, world_size)
+
+
+def regenerate_on_ray(cluster: ClusterSettings, job: RegenerateJob, *,
+                      callback: ProgressCallback | None = None) -> Path:
+    """Answer regeneration on the cluster: one `rank_task` per rank (chunk c by rank c % N, one
+    accelerator each: vLLM and transformers generate on one GPU), then one task writes the
+    conversations file, the same file a local run writes."""
+    job = replace(job, out_dir=str(Path(job.out_dir).resolve()),
+                  sources=[str(Path(p).resolve()) if Path(p).exists() else p for p in job.sources])
+    with ray_runner(cluster) as runner:
+        ranks = rank_count(cluster, 1)
+        run_ranks(runner, cluster, "regenerate", "tasks.regenerate", job, ranks, 1, callback)
+    return merge_regenerated_task(job, ranks)
 
 
 def all_done(futures) -> bool:

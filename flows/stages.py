@@ -39,6 +39,7 @@ import tasks.chat_template
 import tasks.draft_check
 import tasks.extract
 import tasks.extract_plan
+import tasks.generators
 import tasks.hf_backend
 import tasks.plots
 import tasks.prepare
@@ -57,7 +58,7 @@ from tasks.errors import describe, is_deterministic
 from tasks.extract import ExtractJob, ExtractResult, run_extraction
 from tasks.prepare import PreparedData, prepare, prepare_fingerprint, read_report
 from tasks.progress import ProgressEvent
-from tasks.regenerate import regenerated_sources
+from tasks.regenerate import RegenerateJob, regenerate, regeneration_job
 from tasks.train import TrainJob, TrainResult, run_training
 from tasks.validate import ValidationResult, validate
 from tasks.verifier import inspect_verifier, verifier_fingerprint
@@ -157,12 +158,15 @@ def _prepare_key(ctx, p) -> str:
     fp = prepare_fingerprint(c.verifier.path, c.data.sources, c.data.max_rows, c.data.max_seq_len, regenerate,
                              c.data.supervise_end_of_turn)
     return cache_key(ctx, fp, c.output_dir,
-                     modules=(tasks.prepare, tasks.chat_data, tasks.chat_template, tasks.regenerate))
+                     modules=(tasks.prepare, tasks.chat_data, tasks.chat_template, tasks.regenerate, tasks.generators))
 
 
 @task(name="prepare", cache_key_fn=_prepare_key, retries=1, retry_delay_seconds=5, **RETRY_TRANSIENT)
 def prepare_task(config: PipelineConfig) -> PreparedData:
-    sources, max_rows = regenerated_sources(config)  # the verifier's own answers, when enabled
+    sources, max_rows = config.data.sources, config.data.max_rows
+    regeneration = regeneration_job(config)  # the verifier's own answers, when enabled
+    if regeneration is not None:
+        sources, max_rows = [str(_regenerate(config, regeneration))], None
     result = prepare(config.verifier.path, sources, config.output_dir, max_seq_len=config.data.max_seq_len,
                      max_rows=max_rows, supervise_end_of_turn=config.data.supervise_end_of_turn)
     report = read_report(result.path)
@@ -173,6 +177,15 @@ def prepare_task(config: PipelineConfig) -> PreparedData:
     )
     get_run_logger().info("prepared data: %s", result.path)
     return result
+
+
+def _regenerate(config: PipelineConfig, job: RegenerateJob) -> Path:
+    progress = ProgressArtifact("answer regeneration")
+    if config.cluster.executor == "ray":  # one task per rank on the cluster (flows/ray_stages.py)
+        from flows.ray_stages import regenerate_on_ray
+
+        return regenerate_on_ray(config.cluster, job, callback=progress)
+    return regenerate(job, callback=progress)
 
 
 # ---------------------------------------------------------------------------------- extract

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -21,6 +22,7 @@ import pytest
 from flow_support import small_config, task_states, write_sample_data
 from tasks.errors import is_deterministic
 from tasks.extract import ExtractJob, run_extraction
+from tasks.prepare import read_report
 from tasks.tracking import read_metrics
 from tasks.train import TrainJob, run_training
 
@@ -58,28 +60,28 @@ def workspace(sharegpt, tmp_path_factory):
     return root, write_sample_data(sharegpt, root / "chats.jsonl", 14)
 
 
-def ray_config(out: Path, data: Path, cluster, *, ray: dict | None = None, **sections):
+def ray_config(out: Path, data: Path, cluster, /, *, ray: dict | None = None, **sections):
     """The test's small config on the local cluster (`ray`: more cluster settings)."""
     return small_config(out, data, cluster={"executor": "ray", "address": cluster.address, "accelerator": ACCEL,
                                             **(ray or {})}, **sections)
 
 
-def extraction_flow():
-    """The pipeline's first two stages, as the pipeline runs them."""
+def first_stages_flow(extract: bool = True):
+    """The pipeline's prepare and (with `extract`) extract stages, as the pipeline runs them."""
     from prefect import flow
 
     from flows.ray_stages import cluster_for_run
     from flows.stages import extract_task, prepare_task
     from tasks.demo_assets import resolve_config
 
-    @flow(name="extraction-on-ray")
-    def extraction(config):
+    @flow(name="first-stages")
+    def first_stages(config):
         config = resolve_config(config)
         with cluster_for_run(config):
             prepared = prepare_task(config)
-            return prepared, extract_task(config, prepared)
+            return (prepared, extract_task(config, prepared)) if extract else prepared
 
-    return extraction
+    return first_stages
 
 
 def run_flow(flow, config):
@@ -143,6 +145,30 @@ def test_training_across_two_nodes_follows_one_process_over_the_same_global_batc
     assert trained.steps == local.steps and trained.best_step == local.best_step
 
 
+def test_regeneration_by_two_ranks_writes_the_conversations_one_local_run_writes(prefect_api, cluster, workspace):
+    from tasks.demo_assets import resolve_config
+    from tasks.regenerate import regenerate, regeneration_job
+
+    root, data = workspace
+    regeneration = {"max_rows": 6, "regenerate": {"enabled": True, "backend": "transformers", "max_new_tokens": 12,
+                                                  "max_turns": 1, "chunk_size": 2}}
+    config = ray_config(root / "regen", data, cluster[0], data=regeneration)
+    prepared, states, _ = run_flow(first_stages_flow(extract=False), config)
+    assert states["regenerate rank 0 of 2"] == states["regenerate rank 1 of 2"] == ("Completed", 1)
+    job = regeneration_job(resolve_config(config))
+    out = Path(job.out_dir)
+    assert len(list((out / "parts").glob("*.jsonl"))) == 2  # written by two processes: chunks 0, 2 and chunk 1
+    report = json.loads((out / "report.json").read_text())
+    assert [r["conversations"] for r in report["ranks"]] == [4, 2] and report["backend"] == "transformers"
+    local = regenerate(replace(job, out_dir=str(root / "regen-local")), in_process=True)
+    assert (out / "conversations.jsonl").read_bytes() == local.read_bytes()
+    assert read_report(prepared.path)["rows_read"] == report["regenerated"] > 0  # prepare read them
+    # the same prepare on the local executor: a cache hit
+    _, local_states, _ = run_flow(first_stages_flow(extract=False), small_config(root / "regen", data,
+                                                                                 data=regeneration))
+    assert {name: state for name, (state, _) in local_states.items()} == {"prepare": "Cached"}
+
+
 def node_running(workers, pid: int):
     """The cluster node whose raylet started the Ray worker that is `pid`'s parent."""
     raylet_of = {node.all_processes["raylet"][0].process.pid: node for node in workers}
@@ -179,7 +205,7 @@ def test_a_rank_whose_node_is_lost_runs_again_on_the_other_node(prefect_api, clu
     watcher = threading.Thread(target=remove_a_node_after_its_rank_wrote_a_shard, daemon=True)
     watcher.start()
     try:
-        (prepared, extracted), states, flow_run_id = run_flow(extraction_flow(), config)
+        (prepared, extracted), states, flow_run_id = run_flow(first_stages_flow(), config)
     finally:
         watcher.join(timeout=5)
         if lost:  # the cluster as the other tests found it: two worker nodes
@@ -246,7 +272,7 @@ def test_a_node_that_does_not_see_the_output_folder_stops_the_run_before_any_sta
         while sum(n["Alive"] for n in ray_cluster.global_state.node_table()) < 4:
             assert node.poll() is None and time.monotonic() < deadline, (root / "blind-node.log").read_text()
             time.sleep(0.5)
-        state = extraction_flow()(ray_config(out, data, ray_cluster), return_state=True)
+        state = first_stages_flow()(ray_config(out, data, ray_cluster), return_state=True)
     assert state.is_failed()
     error = state.result(raise_on_failure=False)
     assert isinstance(error, ClusterError) and is_deterministic(error)
