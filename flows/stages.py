@@ -199,8 +199,9 @@ def _extract_job(config: PipelineConfig, prepared: PreparedData) -> ExtractJob:
 
 def _extract_key(ctx, p) -> str:
     c: PipelineConfig = p["config"]
+    settings = c.extract.model_dump(exclude={"workers"})  # the shards are the same for any number of ranks
     return cache_key(ctx, p["prepared"].fingerprint, verifier_fingerprint(c.verifier.path), c.verifier.dtype,
-                     c.extract.model_dump(), c.output_dir,
+                     settings, c.output_dir,
                      modules=(tasks.extract, tasks.extract_plan, tasks.shard_writer, tasks.shards,
                               tasks.subprocess_runs, tasks.hf_backend))
 

@@ -145,6 +145,19 @@ def test_training_across_two_nodes_follows_one_process_over_the_same_global_batc
     assert trained.steps == local.steps and trained.best_step == local.best_step
 
 
+def test_the_same_run_on_the_local_executor_is_all_cached(ray_run, workspace):
+    """The cache keys do not depend on the executor nor on the number of ranks and nodes."""
+    from flows.pipeline import eagle3_pipeline
+
+    root, data = workspace
+    config, _, _ = ray_run
+    local = small_config(root / "out", data, train=TRAIN, extract={"workers": 2})
+    assert local.cluster.executor == "local" and config.cluster.executor == "ray"
+    _, states, _ = run_flow(eagle3_pipeline, local)
+    assert {name: state for name, (state, _) in states.items()} == {
+        stage: "Cached" for stage in ("prepare", "extract", "vocab", "train", "validate")}
+
+
 def test_regeneration_by_two_ranks_writes_the_conversations_one_local_run_writes(prefect_api, cluster, workspace):
     from tasks.demo_assets import resolve_config
     from tasks.regenerate import regenerate, regeneration_job
