@@ -15,7 +15,6 @@ resumable, fingerprinted shards (format: tasks/shards.py).
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
@@ -40,13 +39,7 @@ from tasks.progress import ProgressCallback, ProgressEvent
 from tasks.shard_writer import extract_shards
 from tasks.journal import Journal
 from tasks.shards import SHARD_FORMAT, fsync_dir, read_metadata, unchanged_since_journal, verify_shard
-from tasks.subprocess_runs import (
-    progress_file_callback,
-    reporting_errors,
-    run_processes,
-    worker_command,
-    write_job_file,
-)
+from tasks.subprocess_runs import rank_worker_main, run_processes, worker_command, write_job_file
 from tasks.verifier import VerifierInfo, inspect_verifier
 
 log = logging.getLogger(__name__)
@@ -298,19 +291,9 @@ def run_worker_processes(job: ExtractJob, workers: int, callback: ProgressCallba
 
 def main(argv: list[str] | None = None) -> int:
     """One extraction worker process: `python -m tasks.extract --job JOB.json --rank R --world-size W`."""
-    p = argparse.ArgumentParser(prog="python -m tasks.extract", description=main.__doc__)
-    p.add_argument("--job", required=True, help="an ExtractJob as JSON")
-    p.add_argument("--rank", type=int, default=0)
-    p.add_argument("--world-size", type=int, default=1)
-    p.add_argument("--progress-file")
-    a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [rank {a.rank}] %(name)s: %(message)s")
-    job = ExtractJob(**json.loads(Path(a.job).read_text()))
     if "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    with reporting_errors(a.progress_file):
-        run_worker(job, a.rank, a.world_size, progress_file_callback(a.progress_file) if a.progress_file else None)
-    return 0
+    return rank_worker_main("tasks.extract", ExtractJob, run_worker, argv)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ order: the same files for any number of ranks.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
@@ -30,13 +29,7 @@ from pathlib import Path
 from tasks.chat_data import Dropped, normalize, read_rows
 from tasks.journal import Journal
 from tasks.progress import Progress, ProgressCallback
-from tasks.subprocess_runs import (
-    progress_file_callback,
-    reporting_errors,
-    run_processes,
-    worker_command,
-    write_job_file,
-)
+from tasks.subprocess_runs import rank_worker_main, run_processes, worker_command, write_job_file
 
 log = logging.getLogger(__name__)
 
@@ -253,17 +246,7 @@ def regenerate(job: RegenerateJob, *, in_process: bool = False, callback: Progre
 
 def main(argv: list[str] | None = None) -> int:
     """One regeneration process: `python -m tasks.regenerate --job JOB.json --rank R --world-size W`."""
-    p = argparse.ArgumentParser(prog="python -m tasks.regenerate", description=main.__doc__)
-    p.add_argument("--job", required=True, help="a RegenerateJob as JSON")
-    p.add_argument("--rank", type=int, default=0)
-    p.add_argument("--world-size", type=int, default=1)
-    p.add_argument("--progress-file")
-    a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [rank {a.rank}] %(name)s: %(message)s")
-    job = RegenerateJob(**json.loads(Path(a.job).read_text()))
-    with reporting_errors(a.progress_file):
-        regenerate_rank(job, a.rank, a.world_size, progress_file_callback(a.progress_file) if a.progress_file else None)
-    return 0
+    return rank_worker_main("tasks.regenerate", RegenerateJob, regenerate_rank, argv)
 
 
 def regeneration_job(config) -> RegenerateJob | None:

@@ -24,7 +24,9 @@ says its rank (`$RANK`).
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -176,6 +178,23 @@ def worker_command(module: str, job_file: Path, rank: int, world_size: int, prog
     """A stage's worker process: `python -m MODULE --job JOB --rank R --world-size N --progress-file F`."""
     return [sys.executable, "-m", module, "--job", str(job_file), "--rank", str(rank), "--world-size",
             str(world_size), "--progress-file", str(progress_file)]
+
+
+def rank_worker_main(module: str, job_type: type, work: Callable, argv: list[str] | None = None) -> int:
+    """A stage's worker process, the other end of `worker_command`: `python -m MODULE --job JOB.json
+    --rank R --world-size N [--progress-file F]` runs `work(job, rank, world_size, callback)`, its
+    progress and any exception written for the parent."""
+    p = argparse.ArgumentParser(prog=f"python -m {module}")
+    p.add_argument("--job", required=True, help=f"a {job_type.__name__} as JSON")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--progress-file")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [rank {a.rank}] %(name)s: %(message)s")
+    job = job_type(**json.loads(Path(a.job).read_text()))
+    with reporting_errors(a.progress_file):
+        work(job, a.rank, a.world_size, progress_file_callback(a.progress_file) if a.progress_file else None)
+    return 0
 
 
 def run_processes(commands: list[list[str]], progress_files: list[Path], callback: ProgressCallback | None,
