@@ -25,7 +25,8 @@ import xxhash
 
 from tasks.errors import PermanentError
 from tasks.progress import format_seconds
-from tasks.shards import SHARD_FORMAT, Journal, ShardError, ShardSpec, unchanged_since_journal, verify_shard
+from tasks.journal import Journal
+from tasks.shards import SHARD_FORMAT, ShardError, ShardSpec, unchanged_since_journal, verify_shard
 from tasks.verifier import VerifierInfo, verifier_fingerprint
 
 log = logging.getLogger(__name__)

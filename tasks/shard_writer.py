@@ -18,7 +18,8 @@ import torch
 
 from tasks.extract_plan import LAYERS_STORED, STORAGE_DTYPE, WRITER_BUFFERS, ExtractError, ExtractionPlan
 from tasks.progress import Progress, ProgressCallback
-from tasks.shards import Journal, ShardSpec, write_shard
+from tasks.journal import Journal
+from tasks.shards import ShardSpec, write_shard
 
 log = logging.getLogger(__name__)
 

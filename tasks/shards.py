@@ -9,8 +9,8 @@ settings and the identity and tokens of each sample), its sample ids and an xxh3
 the tensor bytes. A shard is written to a temporary name, fsynced and renamed, so a file with a
 shard's name is complete or absent; the checksum catches later damage.
 
-Every writer also appends a line per finished shard to its own journal (`journal/*.jsonl`): name,
-size, mtime and checksum. On resume, a shard whose size and mtime still match its journal line
+Every writer also appends a line per finished shard to its own journal (`journal/*.jsonl`,
+tasks/journal.py): name, size, mtime and checksum. On resume, a shard whose size and mtime still match its journal line
 was verified when written and is trusted without re-reading it; any other is verified in full.
 """
 
@@ -144,33 +144,6 @@ def verify_shard(path: Path, spec: ShardSpec) -> dict[str, torch.Tensor]:
     if tensors_checksum(tensors) != meta.get("checksum"):
         raise ShardError(f"{path.name}: checksum mismatch (damaged file)")
     return tensors
-
-
-class Journal:
-    """Append-only record of finished shards, one file per writer process."""
-
-    def __init__(self, folder: Path):
-        self.folder = folder / "journal"
-
-    def append(self, entry: dict) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        path = self.folder / f"{socket.gethostname()}-{os.getpid()}.jsonl"
-        with path.open("a") as f:
-            f.write(json.dumps(entry) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-
-    def entries(self) -> dict[str, dict]:
-        """Latest line per shard name; a torn last line (crash mid-append) is ignored."""
-        out: dict[str, dict] = {}
-        for path in sorted(self.folder.glob("*.jsonl")) if self.folder.is_dir() else []:
-            for line in path.read_text().splitlines():
-                try:
-                    entry = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                out[entry["name"]] = entry
-        return out
 
 
 def unchanged_since_journal(path: Path, entry: dict | None) -> bool:

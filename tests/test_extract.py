@@ -17,7 +17,8 @@ import torch
 from tasks.extract import ExtractJob, run_extraction
 from tasks.extract_plan import ExtractError
 from tasks.prepare import load_prepared, prepare
-from tasks.shards import Journal, ShardReader, read_metadata
+from tasks.journal import Journal
+from tasks.shards import ShardReader, read_metadata
 
 SETTINGS = {"batch_tokens": 2048, "shard_tokens": 1500}
 
