@@ -60,12 +60,14 @@ def ray_runner(cluster: ClusterSettings):
     """prefect-ray's task runner on the configured cluster. Entering it joins the cluster (or starts
     Ray on this machine when no address is set) unless this process is already connected."""
     if not cluster.address:
-        # A Ray of the run's own serves this machine alone: it stays on the loopback interface (Ray
-        # has no authentication). Ray reads this when it is imported.
+        # A Ray of the run's own serves this machine alone: it stays on the loopback interface, its
+        # services unreachable from the network. Ray reads this when it is imported.
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     from prefect_ray import RayTaskRunner
 
-    return RayTaskRunner(address=cluster.address, init_kwargs={} if cluster.address else {"include_dashboard": False})
+    # The dashboard (on 127.0.0.1) serves Ray's State API, which Ray Train's placement-group
+    # cleaner queries every second: without it, a warning a second for the whole of training.
+    return RayTaskRunner(address=cluster.address, init_kwargs={} if cluster.address else {"include_dashboard": True})
 
 
 @contextmanager
