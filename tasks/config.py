@@ -165,8 +165,9 @@ class ClusterSettings(Section):
         "GPU", description="ray: the Ray resource a rank or training process requests per GPU: 'GPU', a custom "
         "resource name its nodes advertise, or 'CPU' on a cluster without accelerators (a CPU each).")
     ranks: int | None = Field(
-        None, gt=0, description="ray: extraction ranks (shard i goes to rank i % ranks); default: as many as the "
-        "cluster's accelerators hold at once (transformers: 1 per rank, vLLM: extract.tensor_parallel_size).")
+        None, gt=0, description="ray: ranks of extraction (shard i goes to rank i % ranks) and of answer "
+        "regeneration (chunk c to rank c % ranks); default: as many as the cluster's accelerators hold at once "
+        "(regeneration and transformers extraction: 1 per rank; vLLM extraction: extract.tensor_parallel_size).")
     train_nodes: int = Field(
         1, gt=0, description="ray: nodes training spreads over, train.nproc processes on each. The global batch "
         "stays train.nproc x train.grad_accum_steps micro-batches (each process accumulates "
