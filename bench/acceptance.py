@@ -32,7 +32,8 @@ from bench.train_speed import in_fresh_process  # noqa: E402
 from tasks.extract import ExtractJob, run_extraction  # noqa: E402
 from tasks.prepare import prepare  # noqa: E402
 from tasks.shards import ShardReader  # noqa: E402
-from tasks.train import TrainJob, evaluate_draft, run_training, simulated_acceptance_length  # noqa: E402
+from tasks.acceptance import simulated_acceptance_length  # noqa: E402
+from tasks.train import TrainJob, evaluate_draft, run_training  # noqa: E402
 from tasks.vocab import build_vocab  # noqa: E402
 
 AUX = [2, 15, 27]
@@ -165,7 +166,8 @@ def main() -> None:
     for name, draft in (("ours", Path(ours.draft_path)), ("speculators", their_draft)):
         metrics = evaluate_draft(draft, eval_hs.manifest, evaluation.path, ttt_steps=3)
         scores[name] = {"simulated_acceptance_length": round(simulated_acceptance_length(metrics, 3), 4),
-                        **{k: round(v, 4) for k, v in metrics.items() if k.startswith(("full_acc", "cond_acc"))}}
+                        **{k: round(v, 4) for k, v in metrics.items()
+                           if k.startswith(("full_acc", "cond_acc", "replayed_acceptance"))}}
     parts = split_for_return(Path(ours.draft_path), out)
     result = {
         "verifier": "SmolLM2-135M-Instruct", "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

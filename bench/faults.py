@@ -324,10 +324,8 @@ def snapshot(stage: str, out: Path) -> dict:
 
     hidden = out / "hidden_states" if stage == "flow" else out
     state = {"shards": {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in hidden.glob("shard-*.safetensors")}}
-    conversations = next(iter(out.rglob("conversations.jsonl")), None)
-    if conversations is not None:
-        data = conversations.read_bytes()
-        state["conversations"] = data[: data.rfind(b"\n") + 1]
+    if stage == "regenerate":
+        state["recorded"] = recorded_conversations(out)
     trains = [out] if stage == "train" else list((out / "train").glob("*")) if stage == "flow" else []
     if trains and (trains[0] / "metrics.jsonl").is_file():
         steps = [json.loads(line)["step"] for line in (trains[0] / "metrics.jsonl").read_text().splitlines()
@@ -345,11 +343,16 @@ def redone(stage: str, before: dict, out: Path) -> int:
     rewritten = sum(1 for name, ident in before["shards"].items()
                     if (p := hidden / name).is_file() and (p.stat().st_ino, p.stat().st_mtime_ns) != ident)
     again = 0
-    if "conversations" in before:
-        after = next(out.rglob("conversations.jsonl")).read_bytes()
-        ids = [json.loads(line)["id"] for line in after.splitlines()]
-        again = len(ids) - len(set(ids)) + (0 if after.startswith(before["conversations"]) else 10**6)
+    if "recorded" in before:  # records of a conversation recorded before the kill, written again
+        after = recorded_conversations(out)
+        again = sum(after.count(row_id) - 1 for row_id in set(before["recorded"]))
     return rewritten + again + before.get("steps_past_checkpoint", 0)
+
+
+def recorded_conversations(out: Path) -> list[str]:
+    """The ids of the conversations regeneration recorded (complete lines of its part files, tasks/regenerate.py)."""
+    return [json.loads(line)["id"] for part in sorted((out / "parts").glob("*.jsonl"))
+            for line in part.read_bytes().split(b"\n")[:-1]]
 
 
 def compare(stage: str, out: Path, ref_out: Path, out_of: Callable) -> tuple[bool, str]:

@@ -39,7 +39,8 @@ from tasks.config import TrainSettings  # noqa: E402
 from tasks.extract import ExtractJob, run_extraction  # noqa: E402
 from tasks.prepare import prepare  # noqa: E402
 from tasks.tracking import read_metrics  # noqa: E402
-from tasks.train import TrainJob, evaluate_draft, run_training, simulated_acceptance_length  # noqa: E402
+from tasks.acceptance import simulated_acceptance_length  # noqa: E402
+from tasks.train import TrainJob, evaluate_draft, run_training  # noqa: E402
 
 K = 3  # vLLM's num_speculative_tokens in the validation stage
 
@@ -63,7 +64,8 @@ def score(draft: Path, scoring) -> dict:
     prepared, extracted = scoring
     metrics = evaluate_draft(draft, extracted.manifest, prepared.path, ttt_steps=K)
     return {"mtbench_simulated_acceptance_length": round(simulated_acceptance_length(metrics, K), 4),
-            **{k: round(v, 4) for k, v in metrics.items() if k.startswith("cond_acc")}}
+            "mtbench_replayed_acceptance_length": round(metrics["replayed_acceptance_length"], 4),
+            **{k: round(v, 4) for k, v in metrics.items() if k.startswith(("cond_acc", "replayed_acceptance_"))}}
 
 
 def main() -> None:
@@ -126,10 +128,11 @@ def main() -> None:
         (a.out / "acceptance.json").write_text(json.dumps(  # what bench/validate_returned_draft.py reads
             {"ours": {"simulated_acceptance_length": results["run"]["mtbench_simulated_acceptance_length"]}}))
     (a.out / "recipe.json").write_text(json.dumps(summary, indent=1))
-    print(f"{'variant':<12} {'MT-Bench sim tau':>16}  validation curve (step: tau, k={K})")
+    print(f"{'variant':<12} {'MT-Bench sim tau':>16} {'replayed':>9}  validation curve (step: tau, k={K})")
     for name, r in results.items():
         curve = ", ".join(f"{s}: {t:.3f}" for s, t in r["validation_curve"][-6:])
-        print(f"{name:<12} {r['mtbench_simulated_acceptance_length']:>16.4f}  {curve}")
+        print(f"{name:<12} {r['mtbench_simulated_acceptance_length']:>16.4f} "
+              f"{r['mtbench_replayed_acceptance_length']:>9.4f}  {curve}")
 
 
 if __name__ == "__main__":

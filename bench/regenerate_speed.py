@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tasks.chat_data import Dropped, normalize, read_rows  # noqa: E402
 from tasks.config import RegenerateSettings  # noqa: E402
-from tasks.regenerate import TransformersGenerator  # noqa: E402
+from tasks.generators import TransformersGenerator  # noqa: E402
 
 
 def first_turn_prompts(tokenizer, data: str, limit: int, max_prompt_len: int) -> list[list[int]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from prefect import flow
 
+from flows.ray_stages import cluster_for_run
 from flows.stages import extract_task, prepare_task, result_storage, run_name, train_task, validate_task, vocab_task
 from tasks.config import PipelineConfig
 from tasks.demo_assets import resolve_config
@@ -23,10 +24,11 @@ def eagle3_pipeline(config: PipelineConfig) -> dict:
         t.with_options(result_storage=storage)
         for t in (prepare_task, extract_task, vocab_task, train_task, validate_task)
     )
-    prepared = prepare(config)
-    extracted = extract(config, prepared)
-    vocabulary = vocab(config, prepared)
-    trained = train(config, prepared, extracted, vocabulary)
-    validated = validate(config, trained, extracted)
+    with cluster_for_run(config):  # cluster.executor 'ray': the Ray cluster, every node seeing output_dir
+        prepared = prepare(config)
+        extracted = extract(config, prepared)
+        vocabulary = vocab(config, prepared)
+        trained = train(config, prepared, extracted, vocabulary)
+        validated = validate(config, trained, extracted)
     return {"prepared": prepared, "extracted": extracted, "vocab": vocabulary, "trained": trained,
             "validated": validated}

@@ -34,12 +34,14 @@ from prefect.artifacts import (
 from prefect.logging import get_run_logger
 from prefect.tasks import exponential_backoff
 
+import tasks.acceptance
 import tasks.chat_data
 import tasks.chat_template
 import tasks.checkpoints
 import tasks.draft_check
 import tasks.extract
 import tasks.extract_plan
+import tasks.generators
 import tasks.hf_backend
 import tasks.plots
 import tasks.prepare
@@ -58,7 +60,7 @@ from tasks.errors import describe, is_deterministic
 from tasks.extract import ExtractJob, ExtractResult, run_extraction
 from tasks.prepare import PreparedData, prepare, prepare_fingerprint, read_report
 from tasks.progress import ProgressEvent
-from tasks.regenerate import regenerated_sources
+from tasks.regenerate import RegenerateJob, regenerate, regeneration_job
 from tasks.train import TrainJob, TrainResult, run_training
 from tasks.validate import ValidationResult, validate
 from tasks.verifier import inspect_verifier, verifier_fingerprint
@@ -158,12 +160,15 @@ def _prepare_key(ctx, p) -> str:
     fp = prepare_fingerprint(c.verifier.path, c.data.sources, c.data.max_rows, c.data.max_seq_len, regenerate,
                              c.data.supervise_end_of_turn)
     return cache_key(ctx, fp, c.output_dir,
-                     modules=(tasks.prepare, tasks.chat_data, tasks.chat_template, tasks.regenerate))
+                     modules=(tasks.prepare, tasks.chat_data, tasks.chat_template, tasks.regenerate, tasks.generators))
 
 
 @task(name="prepare", cache_key_fn=_prepare_key, retries=1, retry_delay_seconds=5, **RETRY_TRANSIENT)
 def prepare_task(config: PipelineConfig) -> PreparedData:
-    sources, max_rows = regenerated_sources(config)  # the verifier's own answers, when enabled
+    sources, max_rows = config.data.sources, config.data.max_rows
+    regeneration = regeneration_job(config)  # the verifier's own answers, when enabled
+    if regeneration is not None:
+        sources, max_rows = [str(_regenerate(config, regeneration))], None
     result = prepare(config.verifier.path, sources, config.output_dir, max_seq_len=config.data.max_seq_len,
                      max_rows=max_rows, supervise_end_of_turn=config.data.supervise_end_of_turn)
     report = read_report(result.path)
@@ -174,6 +179,15 @@ def prepare_task(config: PipelineConfig) -> PreparedData:
     )
     get_run_logger().info("prepared data: %s", result.path)
     return result
+
+
+def _regenerate(config: PipelineConfig, job: RegenerateJob) -> Path:
+    progress = ProgressArtifact("answer regeneration")
+    if config.cluster.executor == "ray":  # one task per rank on the cluster (flows/ray_stages.py)
+        from flows.ray_stages import regenerate_on_ray
+
+        return regenerate_on_ray(config.cluster, job, callback=progress)
+    return regenerate(job, callback=progress)
 
 
 # ---------------------------------------------------------------------------------- extract
@@ -187,8 +201,9 @@ def _extract_job(config: PipelineConfig, prepared: PreparedData) -> ExtractJob:
 
 def _extract_key(ctx, p) -> str:
     c: PipelineConfig = p["config"]
+    settings = c.extract.model_dump(exclude={"workers"})  # the shards are the same for any number of ranks
     return cache_key(ctx, p["prepared"].fingerprint, verifier_fingerprint(c.verifier.path), c.verifier.dtype,
-                     c.extract.model_dump(), c.output_dir,
+                     settings, c.output_dir,
                      modules=(tasks.extract, tasks.extract_plan, tasks.shard_writer, tasks.shards,
                               tasks.subprocess_runs, tasks.hf_backend))
 
@@ -202,8 +217,13 @@ def extract_task(config: PipelineConfig, prepared: PreparedData) -> ExtractResul
                               description=f"{plan.describe().splitlines()[0]}; estimated time {plan.estimate_text()}")
         planned_rate.append(plan.pending_tokens / plan.est_seconds if plan.est_seconds else None)
 
-    result = run_extraction(_extract_job(config, prepared), on_plan=show_plan,
-                            callback=ProgressArtifact("hidden-state extraction"))
+    job, progress = _extract_job(config, prepared), ProgressArtifact("hidden-state extraction")
+    if config.cluster.executor == "ray":  # one task per rank on the cluster (flows/ray_stages.py)
+        from flows.ray_stages import extract_on_ray
+
+        result = extract_on_ray(config.cluster, job, on_plan=show_plan, callback=progress)
+    else:
+        result = run_extraction(job, on_plan=show_plan, callback=progress)
     get_run_logger().info("extraction: %s", result)
     if result.shards_extracted:  # nothing measured when every shard was already on disk
         manifest = Path(result.manifest)
@@ -248,15 +268,22 @@ def _train_job(config: PipelineConfig, prepared: PreparedData, extracted: Extrac
 def _train_key(ctx, p) -> str:
     c: PipelineConfig = p["config"]
     return cache_key(ctx, p["extracted"].fingerprint, p["vocab"].fingerprint, c.train.model_dump(),
-                     c.output_dir,
-                     modules=(tasks.train, tasks.checkpoints, tasks.train_data, tasks.subprocess_runs))
+                     c.output_dir, modules=(tasks.train, tasks.checkpoints, tasks.train_data, tasks.acceptance,
+                                            tasks.subprocess_runs))
 
 
 @task(name="train", cache_key_fn=_train_key, tags=["gpu"], **GPU_STAGE)
 def train_task(config: PipelineConfig, prepared: PreparedData, extracted: ExtractResult,
                vocab: VocabResult) -> TrainResult:
     job = _train_job(config, prepared, extracted, vocab)
-    result = run_training(job, extracted.fingerprint, vocab.fingerprint, callback=ProgressArtifact("draft training"))
+    progress = ProgressArtifact("draft training")
+    if config.cluster.executor == "ray":  # across cluster.train_nodes nodes, through Ray Train (tasks/train_ray.py)
+        from tasks.train_ray import run_training_on_ray
+
+        result = run_training_on_ray(job, extracted.fingerprint, vocab.fingerprint, nodes=config.cluster.train_nodes,
+                                     accelerator=config.cluster.accelerator, callback=progress)
+    else:
+        result = run_training(job, extracted.fingerprint, vocab.fingerprint, callback=progress)
     metrics = tasks.tracking.read_metrics(job.out_dir)
     val = [m for m in metrics if m["split"] == "val"]
     create_table_artifact(
@@ -285,18 +312,19 @@ def _validate_key(ctx, p) -> str:
 def validate_task(config: PipelineConfig, trained: TrainResult, extracted: ExtractResult) -> ValidationResult:
     out = stage_dir(config, "validation") / trained.fingerprint[:16]
     result = validate(trained.draft_path, config.verifier.path, extracted.layers[:3], config.validation, out,
-                      simulated_acceptance_length=trained.simulated_acceptance_length)
+                      simulated_acceptance_length=trained.simulated_acceptance_length,
+                      replayed_acceptance_length=trained.val_metrics.get("replayed_acceptance_length"))
     create_markdown_artifact(markdown=Path(result.report_markdown).read_text(), key="draft-validation",
                              description="static checks and vLLM-measured acceptance")
-    simulated = tasks.train.per_position_acceptance(trained.val_metrics, config.train.ttt_steps) \
-        if trained.val_metrics else []  # train.val_fraction=0: nothing simulated
-    if simulated or result.per_position_acceptance:
-        png = tasks.plots.acceptance_per_position(
-            simulated, result.per_position_acceptance, out / "acceptance.png",
-            simulated_length=trained.simulated_acceptance_length if simulated else None,
-            measured_length=result.mean_acceptance_length)
+    # greedy decoding replayed on held-out samples counts what vLLM counts (train.val_fraction=0: none)
+    replayed = tasks.acceptance.replayed_per_position(trained.val_metrics, config.train.ttt_steps)
+    replayed_length = trained.val_metrics.get("replayed_acceptance_length")
+    if replayed or result.per_position_acceptance:
+        png = tasks.plots.acceptance_per_position(replayed, result.per_position_acceptance, out / "acceptance.png",
+                                                  replayed_length=replayed_length,
+                                                  measured_length=result.mean_acceptance_length)
         show_picture(png, "draft-acceptance-per-position", "acceptance per draft position; acceptance length "
-                     f"simulated {tasks.validate.fmt(trained.simulated_acceptance_length if simulated else None)}, "
+                     f"replayed {tasks.validate.fmt(replayed_length)}, "
                      f"vLLM {tasks.validate.fmt(result.mean_acceptance_length)}")
     get_run_logger().info("validation report: %s", result.report_markdown)
     return result

@@ -1,4 +1,4 @@
-"""Training checkpoints: save, find, resume from, export the draft.
+"""Training checkpoints: save, find, resume from, export the draft, load a saved draft.
 
 A checkpoint holds the draft (speculators' `save_pretrained`, float32 for exact resume) and the
 training state (optimizers, schedulers, step, best, RNG states, the metrics window), written to
@@ -117,3 +117,24 @@ def remove_temporaries(out_dir: Path) -> None:
     """Checkpoint, draft and log files a killed run left half-written; never read, removed here."""
     for tmp in [*out_dir.glob(".tmp-*"), *(out_dir / "checkpoints").glob(".tmp-*")]:
         shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+
+
+def load_draft(draft: str | Path, device: torch.device, verifier: str | Path | None = None):
+    """A saved draft (speculators' format) in float32, ready to evaluate. The draft's files leave out
+    the verifier's token embeddings (vLLM shares the verifier's); they are read from `verifier`, by
+    default the folder the draft records."""
+    from speculators import SpeculatorModel
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+
+    config = Eagle3SpeculatorConfig.from_pretrained(draft)
+    if verifier is not None:
+        config.speculators_config.verifier.name_or_path = str(verifier)
+    # the attention implementation is chosen when the model is built (speculators sets it in __init__)
+    config.transformer_layer_config._attn_implementation = "simple_flex_attention" if device.type == "cuda" else "sdpa"
+    model = SpeculatorModel.from_pretrained(draft, config=config)
+    # from_pretrained leaves the weights the files lack as uninitialised memory, which speculators
+    # takes for loaded unless it is NaN: mark the embeddings unloaded so they come from the verifier
+    # (else the metrics depend on what that memory held; speculators 0.9, transformers 5)
+    torch.nn.init.constant_(model.embed_tokens.weight, torch.nan)
+    model.load_verifier_weights()
+    return model.to(device).float()

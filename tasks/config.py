@@ -76,7 +76,8 @@ class ExtractSettings(Section):
     )
     tensor_parallel_size: int = Field(1, gt=0, description="vLLM backend.")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vLLM backend.")
-    workers: int = Field(1, gt=0, description="Data-parallel extraction processes (one per GPU).")
+    workers: int = Field(1, gt=0, description="Data-parallel extraction processes (one per GPU) on this machine; "
+                         "with cluster.executor 'ray', cluster.ranks instead.")
     reserve_disk_gb: float = Field(5.0, ge=0, description="Refuse to start unless this much disk stays free.")
     verify: Literal["full", "quick"] = Field(
         "full",
@@ -149,6 +150,30 @@ class ValidationSettings(Section):
     )
 
 
+class ClusterSettings(Section):
+    """Where the data-parallel stages and training run: this machine, or a Ray cluster (docs/SCALE.md).
+    Not part of any cache key: a stage's output is the same on either."""
+
+    executor: Literal["local", "ray"] = Field(
+        "local", description="'local': worker processes on this machine. 'ray': extraction ranks as Prefect tasks "
+        "on a Ray cluster (prefect-ray) and training across its nodes (Ray Train); output_dir must be a folder "
+        "every node mounts at the same path.")
+    address: str | None = Field(
+        None, description="ray: the cluster to join ('auto' on a node of a running cluster, or the head's "
+        "HOST:PORT); unset: a Ray instance started on this machine for the run.")
+    accelerator: str = Field(
+        "GPU", description="ray: the Ray resource a rank or training process requests per GPU: 'GPU', a custom "
+        "resource name its nodes advertise, or 'CPU' on a cluster without accelerators (a CPU each).")
+    ranks: int | None = Field(
+        None, gt=0, description="ray: ranks of extraction (shard i goes to rank i % ranks) and of answer "
+        "regeneration (chunk c to rank c % ranks); default: as many as the cluster's accelerators hold at once "
+        "(regeneration and transformers extraction: 1 per rank; vLLM extraction: extract.tensor_parallel_size).")
+    train_nodes: int = Field(
+        1, gt=0, description="ray: nodes training spreads over, train.nproc processes on each. The global batch "
+        "stays train.nproc x train.grad_accum_steps micro-batches (each process accumulates "
+        "grad_accum_steps / train_nodes), so the run is the one a single node makes.")
+
+
 class PipelineConfig(Section):
     name: str = Field("eagle3", pattern=r"^[A-Za-z0-9_.-]+$")
     output_dir: str = Field("runs/eagle3", description="Every stage writes under this folder.")
@@ -163,6 +188,7 @@ class PipelineConfig(Section):
     vocab: VocabSettings = VocabSettings()
     train: TrainSettings = TrainSettings()
     validation: ValidationSettings = ValidationSettings()
+    cluster: ClusterSettings = ClusterSettings()
 
     @model_validator(mode="after")
     def _batch_holds_a_sequence(self) -> PipelineConfig:
@@ -170,6 +196,11 @@ class PipelineConfig(Section):
             raise ValueError(
                 f"extract.batch_tokens ({self.extract.batch_tokens}) must be >= data.max_seq_len "
                 f"({self.data.max_seq_len}): one sequence must fit in a batch"
+            )
+        if self.cluster.executor == "ray" and self.train.grad_accum_steps % self.cluster.train_nodes:
+            raise ValueError(
+                f"train.grad_accum_steps ({self.train.grad_accum_steps}) must be a multiple of cluster.train_nodes "
+                f"({self.cluster.train_nodes}): each node's processes take an equal share of the global batch"
             )
         return self
 

@@ -15,14 +15,12 @@ resumable, fingerprinted shards (format: tasks/shards.py).
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
 import os
-import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -42,14 +40,14 @@ from tasks.progress import ProgressCallback, ProgressEvent
 from tasks.shard_writer import extract_shards
 from tasks.shards import (
     SHARD_FORMAT,
-    Journal,
     ShardError,
     fsync_dir,
     read_metadata,
+    shard_journal,
     unchanged_since_journal,
     verify_shard,
 )
-from tasks.subprocess_runs import progress_file_callback, reporting_errors, run_processes
+from tasks.subprocess_runs import rank_worker_main, run_processes, worker_command, write_job_file
 from tasks.verifier import VerifierInfo, inspect_verifier
 
 log = logging.getLogger(__name__)
@@ -61,7 +59,7 @@ def verify_extraction(plan: ExtractionPlan, prepared, out_dir: Path, *, full: bo
     byte against its checksum; otherwise a shard unchanged since its journal line is trusted
     (its states were checked finite and checksummed when written). Returns the names of the
     shards that fail (each is logged with the reason): damaged since written, to be redone."""
-    journal = Journal(out_dir).entries()
+    journal = shard_journal(out_dir).entries()
     seen: dict[str, int] = {}
     bad: list[str] = []
     for spec in plan.shards:
@@ -324,11 +322,7 @@ def run_worker_processes(job: ExtractJob, workers: int, callback: ProgressCallba
     not the caller's process, and the shards already written stay valid for the retry; a
     worker's exception is raised here as it was raised there (tasks/subprocess_runs.py). The
     workers inherit the folder's lock (`lock_fd`): it is held while any of them runs."""
-    out_dir = Path(job.out_dir)
-    progress_dir = out_dir / "progress"
-    progress_dir.mkdir(parents=True, exist_ok=True)
-    job_file = progress_dir / "job.json"
-    job_file.write_text(json.dumps(asdict(job)))
+    job_file = write_job_file(job)
     gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
     visible = gpus.split(",") if gpus else [str(i) for i in range(torch.cuda.device_count())]
     commands, envs, progress_files = [], [], []
@@ -339,9 +333,8 @@ def run_worker_processes(job: ExtractJob, workers: int, callback: ProgressCallba
             env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[rank * per: (rank + 1) * per])
         elif not visible:
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
-        progress_file = progress_dir / f"rank-{rank}.jsonl"
-        commands.append([sys.executable, "-m", "tasks.extract", "--job", str(job_file), "--rank", str(rank),
-                         "--world-size", str(workers), "--progress-file", str(progress_file)])
+        progress_file = job_file.with_name(f"rank-{rank}.jsonl")
+        commands.append(worker_command("tasks.extract", job_file, rank, workers, progress_file))
         envs.append(env)
         progress_files.append(progress_file)
     run_processes(commands, progress_files, callback, envs, label="extraction worker",
@@ -350,19 +343,9 @@ def run_worker_processes(job: ExtractJob, workers: int, callback: ProgressCallba
 
 def main(argv: list[str] | None = None) -> int:
     """One extraction worker process: `python -m tasks.extract --job JOB.json --rank R --world-size W`."""
-    p = argparse.ArgumentParser(prog="python -m tasks.extract", description=main.__doc__)
-    p.add_argument("--job", required=True, help="an ExtractJob as JSON")
-    p.add_argument("--rank", type=int, default=0)
-    p.add_argument("--world-size", type=int, default=1)
-    p.add_argument("--progress-file")
-    a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [rank {a.rank}] %(name)s: %(message)s")
-    job = ExtractJob(**json.loads(Path(a.job).read_text()))
     if "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    with reporting_errors(a.progress_file):
-        run_worker(job, a.rank, a.world_size, progress_file_callback(a.progress_file) if a.progress_file else None)
-    return 0
+    return rank_worker_main("tasks.extract", ExtractJob, run_worker, argv)
 
 
 if __name__ == "__main__":

@@ -27,11 +27,11 @@ from tasks.errors import PermanentError
 from tasks.progress import format_seconds
 from tasks.shards import (
     SHARD_FORMAT,
-    Journal,
     ShardError,
     ShardSpec,
     journal_line,
     read_metadata,
+    shard_journal,
     unchanged_since_journal,
     verify_shard,
 )
@@ -194,7 +194,7 @@ def existing_shards(out_dir: Path, shards: list[ShardSpec]) -> tuple[list[str], 
     """Names of planned shards on disk and valid, and the bytes of shard files of other inputs.
     A shard unchanged since its journal line was verified when written; others are read in full,
     and journaled again when they pass (a lost or damaged journal is rebuilt this way)."""
-    journal = Journal(out_dir)
+    journal = shard_journal(out_dir)
     entries = journal.entries()
     planned = {s.name: s for s in shards}
     done = []

@@ -15,7 +15,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 TRAIN, VAL = "tab:blue", "tab:orange"  # matplotlib's first two default colours
-SIMULATED, MEASURED = TRAIN, VAL
+ESTIMATED, MEASURED = TRAIN, VAL
 DPI = 100
 
 
@@ -63,17 +63,17 @@ def training_curves(metrics: list[dict], path: str | Path, best_step: int | None
     return save(fig, path)
 
 
-def acceptance_per_position(simulated: list[float], measured: list[float], path: str | Path, *,
-                            simulated_length: float | None = None, measured_length: float | None = None) -> Path:
-    """Share of drafts whose first i+1 tokens were all accepted, per draft position: simulated on
-    held-out training samples next to vLLM's measurement (either may be empty)."""
+def acceptance_per_position(replayed: list[float], measured: list[float], path: str | Path, *,
+                            replayed_length: float | None = None, measured_length: float | None = None) -> Path:
+    """Share of drafts whose first i+1 tokens were all accepted, per draft position: greedy decoding
+    replayed on held-out training samples next to vLLM's measurement (either may be empty)."""
     fig = Figure(figsize=(7, 4), dpi=DPI, layout="constrained")
     ax = fig.subplots()
-    positions = max(len(simulated), len(measured))
+    positions = max(len(replayed), len(measured))
     width = 0.38
-    shift = width / 2 if simulated and measured else 0.0  # side by side, or one series centred
+    shift = width / 2 if replayed and measured else 0.0  # side by side, or one series centred
     for offset, values, color, label, length in (
-            (-shift, simulated, SIMULATED, "simulated (training, held-out samples)", simulated_length),
+            (-shift, replayed, ESTIMATED, "replayed (training, held-out samples)", replayed_length),
             (shift, measured, MEASURED, "vLLM, measured", measured_length)):
         if not values:
             continue
@@ -98,7 +98,7 @@ def extraction_rate(planned: float | None, steady: float | None, wall: float | N
     fig = Figure(figsize=(8, 2.8), dpi=DPI, layout="constrained")
     ax = fig.subplots()
     bars = ax.barh([label for label, _ in rows], [value for _, value in rows],
-                   color=[SIMULATED if label.startswith("planned") else MEASURED for label, _ in rows])
+                   color=[ESTIMATED if label.startswith("planned") else MEASURED for label, _ in rows])
     ax.bar_label(bars, labels=[f"{value:,.0f}" for _, value in rows], padding=3)
     ax.invert_yaxis()
     ax.set(title="extraction rate: planned against measured", xlabel="tokens per second")

@@ -8,6 +8,7 @@ retries). Takes a config whose `demo://` paths are resolved (tasks/demo_assets.p
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 from pathlib import Path
@@ -90,5 +91,10 @@ def check_before_run(config) -> None:
     if v.baseline_draft and not (Path(v.baseline_draft) / "config.json").is_file():
         raise PreflightError(f"validation.baseline_draft {v.baseline_draft} is not a draft folder (no config.json)")
     check_writable(Path(config.output_dir).resolve(), "output_dir")
+    # top-level names only: finding `ray.train` would import Ray, before a Ray of the run's own is
+    # told to stay on the loopback interface (flows/ray_stages.py, read when Ray is imported)
+    if config.cluster.executor == "ray" and not all(importlib.util.find_spec(m) for m in ("ray", "prefect_ray")):
+        raise PreflightError("cluster.executor 'ray' needs prefect-ray and Ray Train: pip install -e '.[ray]' "
+                             "(make install does)")
     if os.environ.get("PREFECT_HOME"):
         check_writable(Path(os.environ["PREFECT_HOME"]), "PREFECT_HOME")

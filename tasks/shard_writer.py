@@ -18,7 +18,7 @@ import torch
 
 from tasks.extract_plan import LAYERS_STORED, STORAGE_DTYPE, WRITER_BUFFERS, ExtractError, ExtractionPlan
 from tasks.progress import Progress, ProgressCallback
-from tasks.shards import Journal, ShardSpec, write_shard
+from tasks.shards import ShardSpec, shard_journal, write_shard
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class ShardWriter:
     def __init__(self, out_dir: Path, max_tokens: int, hidden_size: int, device: str, metadata: dict[str, str]):
         self.out_dir = out_dir
         self.metadata = metadata
-        self.journal = Journal(out_dir)
+        self.journal = shard_journal(out_dir)
         self.cuda = device.startswith("cuda")
         shape = (max_tokens, LAYERS_STORED, hidden_size)
         self.free: queue.Queue = queue.Queue()

@@ -9,11 +9,11 @@ settings and the identity and tokens of each sample), its sample ids and an xxh3
 the tensor bytes. A shard is written to a temporary name, fsynced and renamed, so a file with a
 shard's name is complete or absent; the checksum catches later damage.
 
-Every writer also appends a line per finished shard to its own journal (`journal/*.jsonl`): name,
-size, mtime and checksum. On resume, a shard whose size and mtime still match its journal line
-was verified when written and is trusted without re-reading it; any other is verified in full
-(and journaled again when it passes). A damaged journal file is discarded, which only costs
-that full verification.
+Every writer also appends a line per finished shard to its own journal (`journal/*.jsonl`,
+tasks/journal.py): name, size, mtime and checksum. On resume, a shard whose size and mtime still
+match its journal line was verified when written and is trusted without re-reading it; any other
+is verified in full (and journaled again when it passes). A damaged journal file is discarded,
+which only costs that full verification.
 
 Readers (training) check every shard against the manifest before using it: the fingerprint the
 manifest lists, every byte against the checksum, once per shard and process.
@@ -22,9 +22,7 @@ manifest lists, every byte against the checksum, once per shard and process.
 from __future__ import annotations
 
 import json
-import logging
 import os
-import shutil
 import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -34,7 +32,7 @@ import torch
 import xxhash
 from safetensors import safe_open
 
-log = logging.getLogger(__name__)
+from tasks.journal import Journal, write_error
 
 SHARD_FORMAT = "eagle3-hidden-states-v1"
 TENSOR_ORDER = ("hidden_states", "input_ids", "offsets")  # the order the checksum covers
@@ -81,7 +79,7 @@ def file_checksum(f, rows_per_read: int = 16384) -> str:
 def write_shard(path: Path, spec: ShardSpec, hidden_states: torch.Tensor, input_ids: torch.Tensor,
                 offsets: torch.Tensor, extra_metadata: dict[str, str]) -> dict:
     """Write atomically (temporary name, fsync, rename, fsync the folder); returns the journal line.
-    A full disk fails with a ShardError naming the folder, and no partial file stays behind."""
+    A full disk fails with a DiskWriteError naming the folder, and no partial file stays behind."""
     tensors = {"hidden_states": hidden_states.contiguous(), "input_ids": input_ids.to(torch.int32).contiguous(),
                "offsets": offsets.to(torch.int64).contiguous()}
     checksum = tensors_checksum(tensors)
@@ -112,12 +110,6 @@ def journal_line(path: Path, checksum: str, spec: ShardSpec) -> dict:
     stat = path.stat()
     return {"name": path.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "checksum": checksum,
             "fingerprint": spec.fingerprint, "tokens": spec.tokens, "samples": len(spec.rows)}
-
-
-def write_error(what: str, folder: Path, e: OSError) -> ShardError:
-    """A failed write (a full disk, a quota, an I/O error) as an error naming the folder and its free space."""
-    return ShardError(f"{what} failed: {e.strerror or e} ({shutil.disk_usage(folder).free / 1e6:,.0f} MB free "
-                      "on that disk)")
 
 
 SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.int32: "I32", torch.int64: "I64", torch.float32: "F32"}
@@ -182,63 +174,10 @@ def verify_shard(path: Path, spec: ShardSpec) -> dict[str, torch.Tensor]:
     return tensors
 
 
-JOURNAL_FIELDS = {"name": str, "size": int, "mtime_ns": int, "checksum": str}
-
-
-class Journal:
-    """Append-only record of finished shards, one file per writer process."""
-
-    def __init__(self, folder: Path):
-        self.folder = folder / "journal"
-
-    def append(self, entry: dict) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        path = self.folder / f"{socket.gethostname()}-{os.getpid()}.jsonl"
-        try:
-            with path.open("a") as f:
-                f.write(json.dumps(entry) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError as e:  # a cut-off line is ignored when read
-            raise write_error(f"appending to the journal {path}", self.folder, e) from e
-
-    def entries(self) -> dict[str, dict]:
-        """The newest line (by the mtime it records) per shard name. A torn last line (a crash
-        mid-append) is ignored; a file with any other unreadable line is damaged: it is discarded
-        (deleted), and the shards it listed are then verified in full by whoever needs them."""
-        out: dict[str, dict] = {}
-        for path in sorted(self.folder.glob("*.jsonl")) if self.folder.is_dir() else []:
-            try:
-                entries = parse_journal(path.read_bytes())
-            except ValueError as e:
-                log.warning("journal %s is damaged (%s): discarded; the shards it listed are verified in full", path, e)
-                path.unlink(missing_ok=True)
-                continue
-            for entry in entries:
-                if entry["mtime_ns"] >= out.get(entry["name"], entry)["mtime_ns"]:
-                    out[entry["name"]] = entry
-        return out
-
-
-def parse_journal(data: bytes) -> list[dict]:
-    """The entries of one journal file; ValueError names the first line that is not one."""
-    lines = data.split(b"\n")
-    torn = lines.pop()  # after the last newline: empty, or the line a crash cut off
-    entries = []
-    for number, line in enumerate(lines, 1):
-        try:
-            entry = json.loads(line)
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise ValueError(f"line {number} is not JSON") from None
-        if not isinstance(entry, dict):
-            raise ValueError(f"line {number} is not an object")
-        wrong = [k for k, kind in JOURNAL_FIELDS.items() if not isinstance(entry.get(k), kind)]
-        if wrong:
-            raise ValueError(f"line {number} lacks a valid {', '.join(wrong)}")
-        entries.append(entry)
-    if torn:
-        log.info("journal: ignoring a last line cut off by a crash (%d bytes)", len(torn))
-    return entries
+def shard_journal(out_dir: Path) -> Journal:
+    """The extraction folder's journal of finished shards; of two lines for one shard, the newest
+    (by the mtime it records) wins."""
+    return Journal(out_dir, fields={"size": int, "mtime_ns": int, "checksum": str}, newest_by="mtime_ns")
 
 
 def unchanged_since_journal(path: Path, entry: dict | None) -> bool:

@@ -24,6 +24,7 @@ says its rank (`$RANK`).
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -32,7 +33,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -74,16 +75,17 @@ class ProgressFile:
         return self.last
 
 
-def merge_progress(events: list) -> ProgressEvent | None:
-    """One event for all workers: their extraction summed, or while none extracts yet, the first
-    worker's (a load; the only event of a single process)."""
+def merge_progress(events: list, work: str = "extract") -> ProgressEvent | None:
+    """One event for all workers: their `work` (the stage their events name: extract, regenerate)
+    summed, or while none has started it, the first worker's (a load; the only event of a single
+    process)."""
     started = [e for e in events if e is not None]
-    events = [e for e in started if e.stage.startswith("extract")]
+    events = [e for e in started if e.stage.startswith(work)]
     if not events:
         return started[0] if started else None
     rate = sum(e.rate or 0 for e in events) or None
     done, total = sum(e.done for e in events), sum(e.total for e in events)
-    return ProgressEvent("extract", done, total, "tok", rate, (total - done) / rate if rate else None,
+    return ProgressEvent(work, done, total, events[0].unit, rate, (total - done) / rate if rate else None,
                          max(e.elapsed_s for e in events), f"{len(events)} workers")
 
 
@@ -170,6 +172,37 @@ def output_tail(path: Path, lines: int = 25) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.is_file() else ""
 
 
+def write_job_file(job) -> Path:
+    """The job (a dataclass) as JSON in `<job.out_dir>/progress/job.json`, for its worker processes."""
+    path = Path(job.out_dir) / "progress" / "job.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(asdict(job)))
+    return path
+
+
+def worker_command(module: str, job_file: Path, rank: int, world_size: int, progress_file: Path) -> list[str]:
+    """A stage's worker process: `python -m MODULE --job JOB --rank R --world-size N --progress-file F`."""
+    return [sys.executable, "-m", module, "--job", str(job_file), "--rank", str(rank), "--world-size",
+            str(world_size), "--progress-file", str(progress_file)]
+
+
+def rank_worker_main(module: str, job_type: type, work: Callable, argv: list[str] | None = None) -> int:
+    """A stage's worker process, the other end of `worker_command`: `python -m MODULE --job JOB.json
+    --rank R --world-size N [--progress-file F]` runs `work(job, rank, world_size, callback)`, its
+    progress and any exception written for the parent."""
+    p = argparse.ArgumentParser(prog=f"python -m {module}")
+    p.add_argument("--job", required=True, help=f"a {job_type.__name__} as JSON")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--progress-file")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [rank {a.rank}] %(name)s: %(message)s")
+    job = job_type(**json.loads(Path(a.job).read_text()))
+    with reporting_errors(a.progress_file):
+        work(job, a.rank, a.world_size, progress_file_callback(a.progress_file) if a.progress_file else None)
+    return 0
+
+
 def run_processes(commands: list[list[str]], progress_files: list[Path], callback: ProgressCallback | None,
                   envs: list[dict[str, str]] | None = None, poll_s: float = 2.0, label: str = "worker",
                   logs: list[Path] | None = None, pass_fds: tuple[int, ...] = ()) -> None:
@@ -186,7 +219,7 @@ def run_processes(commands: list[list[str]], progress_files: list[Path], callbac
         procs = [subprocess.Popen(cmd, env=envs[i] if envs else None, stdout=outputs[i],
                                   stderr=subprocess.STDOUT if outputs[i] else None, pass_fds=pass_fds)
                  for i, cmd in enumerate(commands)]
-        follow(procs, progress_files, callback, poll_s)
+        follow(lambda: any(p.poll() is None for p in procs), progress_files, callback, poll_s)
     finally:
         for f in outputs:
             if f is not None:
@@ -216,17 +249,18 @@ def worker_failure(failed: dict[int, int], progress_files: list[Path], label: st
     return exc
 
 
-def follow(procs: list[subprocess.Popen], progress_files: list[Path], callback: ProgressCallback | None,
-           poll_s: float) -> None:
-    """Until every process has exited, pass their merged progress to `callback` when it changes."""
+def follow(running: Callable[[], bool], progress_files: list[Path], callback: ProgressCallback | None,
+           poll_s: float, work: str = "extract") -> None:
+    """While `running()`, pass the merged progress of the files to `callback` when it changes (the
+    files of processes here, or of ranks on other nodes writing into a shared folder)."""
     followers = [ProgressFile(path) for path in progress_files]
     last = None
     while True:
-        running = any(p.poll() is None for p in procs)
-        merged = merge_progress([f.latest() for f in followers])
+        still_running = running()
+        merged = merge_progress([f.latest() for f in followers], work)
         if callback is not None and merged is not None and merged != last:
             callback(merged)
             last = merged
-        if not running:
+        if not still_running:
             break  # read once more after the last exit: the workers' final events
         time.sleep(poll_s)

@@ -35,13 +35,29 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tasks.checkpoints import checkpoint_dirs, export_draft, load_checkpoint, remove_temporaries, save_checkpoint
+from tasks.acceptance import replay_speculative_decoding, simulated_acceptance_length
+from tasks.checkpoints import (
+    checkpoint_dirs,
+    export_draft,
+    load_checkpoint,
+    load_draft,
+    remove_temporaries,
+    save_checkpoint,
+)
 from tasks.folder_lock import folder_lock
 from tasks.progress import Progress, ProgressCallback
-from tasks.shards import ShardReader, read_manifest
+from tasks.shards import read_manifest
 from tasks.subprocess_runs import progress_file_callback, reporting_errors, run_processes
 from tasks.tracking import TrainingLog
-from tasks.train_data import ShardDataset, StepBatches, TrainDataError, TrainSchedule, make_loader, split_indices
+from tasks.train_data import (
+    ShardDataset,
+    StepBatches,
+    TrainDataError,
+    TrainSchedule,
+    make_loader,
+    split_indices,
+    verify_shards,
+)
 from tasks.verifier import inspect_verifier, verifier_fingerprint
 from tasks.vocab import load_vocab
 
@@ -83,22 +99,6 @@ class TrainResult:
     trained_tokens: int  # real (unpadded) tokens of this process group's optimizer steps, this attempt
     steady_tokens_per_s: float | None  # training steps only: no compilation window, validation or checkpoints
     wall_s: float  # the whole attempt: start-up, data, compilation, training, validation, export
-
-
-def per_position_acceptance(metrics: dict[str, float], k: int) -> list[float]:
-    """Share of drafts whose positions 0..i are all accepted, greedy: prod_{j<=i} cond_acc_j
-    (what vLLM's per-position acceptance counts: accepted at position i / drafts)."""
-    out, survive = [], 1.0
-    for i in range(k):
-        survive *= metrics.get(f"cond_acc_{i}", 0.0)
-        out.append(survive)
-    return out
-
-
-def simulated_acceptance_length(metrics: dict[str, float], k: int) -> float:
-    """Expected tokens per verification step with k chained draft tokens, greedy: the bonus
-    token plus each position's acceptance (vLLM's "mean acceptance length" counts the same way)."""
-    return 1.0 + sum(per_position_acceptance(metrics, k))
 
 
 def train_fingerprint(manifest_fp: str, vocab_fp: str, settings: dict) -> str:
@@ -324,7 +324,8 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
                 if rank == 0 and val:
                     metrics_log.write({"split": "val", "step": step, **val, "simulated_acceptance_length": acceptance})
                     log.info("validation at step %d: simulated acceptance length %.3f (best %.3f at step %d), "
-                             "loss %.4f", step, acceptance, best["acceptance"], best["step"], val["loss"])
+                             "replayed %.3f, loss %.4f", step, acceptance, best["acceptance"], best["step"],
+                             val["replayed_acceptance_length"], val["loss"])
                 elif rank == 0:
                     log.info("checkpoint at step %d (train.val_fraction=0: no validation, the latest checkpoint "
                              "is the one exported)", step)
@@ -350,9 +351,12 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
         steady_tokens_per_s=round(steady_tokens / steady_s, 1) if steady_s else None,
         wall_s=round(time.monotonic() - t0, 2),
     )
-    log.info("draft exported to %s: best step %d, simulated acceptance length %.3f (k=%d); %s tokens trained, "
-             "steady state %s tokens/s (compilation, validation and checkpoints excluded), %.0f s wall", draft,
-             best["step"], best["acceptance"], s.ttt_steps, f"{trained_tokens:,}",
+    replayed = best["metrics"].get("replayed_acceptance_length")
+    log.info("draft exported to %s: best step %d, simulated acceptance length %.3f (k=%d), replayed %s "
+             "(what vLLM should measure on answers like these); %s tokens trained, steady state %s tokens/s "
+             "(compilation, validation and checkpoints excluded), %.0f s wall", draft, best["step"],
+             best["acceptance"], s.ttt_steps, "n/a" if replayed is None else f"{replayed:.3f}",
+             f"{trained_tokens:,}",
              f"{result.steady_tokens_per_s:,.0f}" if result.steady_tokens_per_s else "n/a", result.wall_s)
     return result
 
@@ -360,49 +364,38 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
 def evaluate(net, dataset: ShardDataset | None, total_seq_len: int, hidden: int, dtype: torch.dtype,
              device: torch.device, call: dict, world: int = 1, rank: int = 0, seed: int = 0) -> dict[str, float]:
     """Loss and per-position metrics of a draft over a dataset (its packed batches split over the
-    ranks; sums all-reduced). Accuracies are token counts, so they do not depend on the batching."""
+    ranks; sums all-reduced), and greedy speculative decoding replayed over it (tasks/acceptance.py).
+    Accuracies are token counts, so they do not depend on the batching."""
     net.eval()
+    model = net.module if isinstance(net, torch.nn.parallel.DistributedDataParallel) else net
     sums: dict[str, torch.Tensor] = {}
     sampler = StepBatches(dataset.lengths(), total_seq_len, world, rank, 1, seed, 0) if dataset else []
     if dataset and len(sampler):
         with torch.no_grad(), torch.autocast(device.type, dtype, enabled=device.type == "cuda"):
             for batch in make_loader(dataset, sampler, total_seq_len, hidden, dtype, 0):
-                _, _, metrics = net(**{k: batch[k].to(device) for k in MODEL_INPUTS}, **call)
+                inputs = {k: batch[k].to(device) for k in MODEL_INPUTS}
+                draft_tokens, _, metrics = net(**inputs, **call)
                 accumulate(sums, metrics)
+                # the targets speculators' forward computes and does not return
+                targets = model.verifier_lm_head(model.verifier_norm(inputs["verifier_last_hidden_states"]))
+                accumulate(sums, replay_speculative_decoding(draft_tokens, targets.argmax(-1), inputs["loss_mask"],
+                                                             inputs["document_ids"]))
     return reduce_metrics(sums, world > 1)
 
 
 def evaluate_draft(draft: str | Path, manifest: str | Path, prepared_path: str | Path, ttt_steps: int = 3,
-                   total_seq_len: int = 8192) -> dict[str, float]:
-    """Per-position metrics of a saved draft (speculators' format) on extracted samples."""
-    from speculators import SpeculatorModel
+                   total_seq_len: int = 8192, verifier: str | Path | None = None,
+                   samples: list[int] | None = None) -> dict[str, float]:
+    """Per-position metrics of a saved draft on extracted samples (all, or the manifest's rows
+    `samples`), with greedy speculative decoding replayed over them."""
     from speculators.losses import resolve_loss_config
-    from speculators.models.eagle3 import Eagle3SpeculatorConfig
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    config = Eagle3SpeculatorConfig.from_pretrained(draft)
-    # the attention implementation is chosen when the model is built (speculators sets it in __init__)
-    config.transformer_layer_config._attn_implementation = "simple_flex_attention" if device.type == "cuda" else "sdpa"
-    model = SpeculatorModel.from_pretrained(draft, config=config).to(device).float()
+    model = load_draft(draft, device, verifier)
     call = {"ttt_steps": ttt_steps, "ttt_step_loss_decay": 1.0, "loss_config": resolve_loss_config("kl_div", "eager")}
-    dataset = ShardDataset(manifest, prepared_path)
+    dataset = ShardDataset(manifest, prepared_path, samples)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     return evaluate(model, dataset, total_seq_len, read_manifest(manifest)["hidden_size"], dtype, device, call)
-
-
-def verify_shards(reader: ShardReader, rank: int, world: int) -> None:
-    """Every shard checked against the manifest before training reads it: each rank checks a share
-    and trusts the others' (a rank that finds a bad shard fails, and torchrun stops the others)."""
-    t0 = time.monotonic()
-    mine = range(rank, len(reader.manifest["shards"]), world)
-    reader.verify(mine)
-    if world > 1:
-        checked: list[dict | None] = [None] * world
-        dist.all_gather_object(checked, {s: reader.verified[s] for s in mine})
-        for part in checked:
-            reader.verified.update(part)
-    log.info("%d shards checked against %s in %.1f s (fingerprints, checksums)", len(reader.manifest["shards"]),
-             reader.manifest_path.name, time.monotonic() - t0)
 
 
 # ---------------------------------------------------------------- running it

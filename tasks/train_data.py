@@ -15,9 +15,12 @@ world sizes and lets a killed run resume at the exact step.
 from __future__ import annotations
 
 import copy
+import logging
+import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import xxhash
 from speculators.models.eagle3.data import shift_batch
 from speculators.train.data import CollateFn
@@ -27,6 +30,8 @@ from torch.utils.data import DataLoader, Dataset
 from tasks.errors import PermanentError
 from tasks.prepare import load_prepared
 from tasks.shards import ShardReader
+
+log = logging.getLogger(__name__)
 
 
 class TrainDataError(PermanentError, ValueError):
@@ -140,3 +145,16 @@ def make_loader(dataset: ShardDataset, sampler: StepBatches, total_seq_len: int,
                       prefetch_factor=4 if workers else None)
 
 
+def verify_shards(reader: ShardReader, rank: int, world: int) -> None:
+    """Every shard checked against the manifest before training reads it: each rank checks a share
+    and trusts the others' (a rank that finds a bad shard fails, and torchrun stops the others)."""
+    t0 = time.monotonic()
+    mine = range(rank, len(reader.manifest["shards"]), world)
+    reader.verify(mine)
+    if world > 1:
+        checked: list[dict | None] = [None] * world
+        dist.all_gather_object(checked, {s: reader.verified[s] for s in mine})
+        for part in checked:
+            reader.verified.update(part)
+    log.info("%d shards checked against %s in %.1f s (fingerprints, checksums)", len(reader.manifest["shards"]),
+             reader.manifest_path.name, time.monotonic() - t0)

@@ -59,13 +59,15 @@ def installed_vllm_flags() -> dict[str, bool] | None:
 
 
 def validate(draft: str, verifier_path: str, aux_layers: list[int], settings, out_dir: str | Path, *,
-             simulated_acceptance_length: float | None = None) -> ValidationResult:
+             simulated_acceptance_length: float | None = None,
+             replayed_acceptance_length: float | None = None) -> ValidationResult:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     verifier = inspect_verifier(verifier_path)
     static = check_draft(draft, verifier, aux_layers, installed_vllm_flags())
     report: dict = {"draft": draft, "verifier": verifier_path, "static": static.to_dict(),
-                    "simulated_acceptance_length": simulated_acceptance_length}
+                    "simulated_acceptance_length": simulated_acceptance_length,
+                    "replayed_acceptance_length": replayed_acceptance_length}
     for warning in static.warnings:
         log.warning("draft check: %s", warning)
     if not static.ok:
@@ -163,6 +165,8 @@ def markdown(report: dict) -> str:
                   "| metric | value |", "|---|---|",
                   f"| mean acceptance length (vLLM) | {fmt(d['mean_acceptance_length'])} |",
                   f"| simulated acceptance length (training, held-out samples) | {fmt(sim)} |",
+                  "| replayed greedy decoding (training, held-out samples; what vLLM measures on answers like "
+                  f"these) | {fmt(report.get('replayed_acceptance_length'))} |",
                   f"| per-position acceptance | {', '.join(fmt(x) for x in d['per_position_acceptance'])} |",
                   f"| draft acceptance rate | {fmt(d['draft_acceptance_rate'])} |",
                   f"| drafts / drafted / accepted tokens | {d['drafts']} / {d['draft_tokens']} / {d['accepted_tokens']} |",

@@ -16,7 +16,7 @@ def write_sample_data(sharegpt: str, path: Path, rows: int) -> Path:
     return path
 
 
-def small_config(out: Path, data: Path, **sections) -> PipelineConfig:
+def small_config(out: Path, data: Path, /, **sections) -> PipelineConfig:
     """The demo's real model and data, shrunk to run the five stages in about a minute."""
     base = {
         "name": "test",

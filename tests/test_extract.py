@@ -20,7 +20,7 @@ from tasks.extract import ExtractJob, run_extraction
 from tasks.extract_plan import ExtractError
 from tasks.folder_lock import FolderLockedError
 from tasks.prepare import load_prepared, prepare
-from tasks.shards import Journal, ShardError, ShardReader, parse_journal, read_manifest, read_metadata
+from tasks.shards import ShardError, ShardReader, read_manifest, read_metadata, shard_journal
 
 SETTINGS = {"batch_tokens": 2048, "shard_tokens": 1500}
 
@@ -81,7 +81,7 @@ def test_kill_mid_run_then_resume_redoes_at_most_the_shard_in_flight(reference, 
     worker = subprocess.Popen([sys.executable, "-m", "tasks.extract", "--job", str(job_file)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
-    while not Journal(tmp_path).entries() and time.monotonic() < deadline:
+    while not shard_journal(tmp_path).entries() and time.monotonic() < deadline:
         time.sleep(0.2)
     worker.send_signal(signal.SIGKILL)
     worker.wait()
@@ -172,8 +172,8 @@ def test_damaged_journal_is_discarded_and_rebuilt_from_the_shards(reference, pre
     assert (result.shards_extracted, result.verifier_loaded) == (0, False)  # verified in full, nothing redone
     assert shard_bytes(tmp_path) == shard_bytes(ref_dir)
     for path in (tmp_path / "journal").glob("*.jsonl"):  # the damaged file was discarded, then written anew
-        assert not path.read_bytes().startswith(damage) and parse_journal(path.read_bytes())
-    rebuilt = Journal(tmp_path).entries()
+        assert not path.read_bytes().startswith(damage) and shard_journal(tmp_path).parse(path.read_bytes())
+    rebuilt = shard_journal(tmp_path).entries()
     assert sorted(rebuilt) == sorted(shard_bytes(ref_dir)) and ref_result.shards == len(rebuilt)
 
 

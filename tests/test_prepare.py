@@ -274,3 +274,32 @@ def test_control_token_strings_inside_messages_are_tokenized_as_text(tokenizer):
     assert not any(m and t in special for t, m in zip(input_ids, loss_mask, strict=True))
     plain = [{"role": m["role"], "content": m["content"].replace("<|im_", "<im_")} for m in messages]
     assert tokenize_conversation(tokenizer, plain, 10**9)[0] == tokenizer.apply_chat_template(plain)["input_ids"]
+
+
+def test_regeneration_chunks_go_to_ranks_the_same_way_for_any_rank_count_and_retry():
+    from tasks.regenerate import chunks_of_rank
+
+    rows = [(f"c{i}", []) for i in range(11)]
+    alone = chunks_of_rank(rows, {}, 3, 0, 1)
+    by_rank = [chunks_of_rank(rows, {}, 3, r, 3) for r in range(3)]
+    assert sorted(map(tuple, sum(by_rank, []))) == sorted(map(tuple, alone))  # the same chunks, split by rank
+    assert [[c[0][0] for c in chunks] for chunks in by_rank] == [["c0", "c9"], ["c3"], ["c6"]]
+    # rank 0 retried after its first chunk was written, no other rank's; rank 1's chunk a kill left
+    # part-recorded is redone whole (the same batches as an uninterrupted run)
+    done = {"c0": {}, "c1": {}, "c2": {}, "c3": {}}
+    assert chunks_of_rank(rows, done, 3, 0, 3) == [rows[9:]]
+    assert chunks_of_rank(rows, done, 3, 1, 3) == [rows[3:6]]
+
+
+def test_journal_skips_a_torn_last_line_and_discards_a_damaged_file(tmp_path):
+    from tasks.journal import Journal
+
+    parts = Journal(tmp_path, "parts", key="id")
+    parts.append({"id": "c0", "messages": []}, {"id": "c1", "reason": "empty_generation"})
+    (mine,) = (tmp_path / "parts").glob("*.jsonl")
+    mine.write_bytes(mine.read_bytes() + b'{"id": "c2", "mess')  # a kill cut the next chunk's write
+    assert sorted(parts.entries()) == ["c0", "c1"] and mine.exists()
+    for damage in (b"\x9c\xff garbage\n", b"[1]\n", b'{"messages": []}\n'):  # bytes, not an object, no id
+        other = tmp_path / "parts" / "other-1.jsonl"
+        other.write_bytes(damage + b'{"id": "c3", "messages": []}\n')
+        assert sorted(parts.entries()) == ["c0", "c1"] and not other.exists()  # discarded: c3 is redone

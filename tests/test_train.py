@@ -17,12 +17,13 @@ import torch
 
 from pictures import colour_pixels
 from tasks.checkpoints import CheckpointError, checkpoint_dirs
+from tasks.acceptance import replay_speculative_decoding, simulated_acceptance_length
 from tasks.extract import ExtractJob, run_extraction
 from tasks.plots import TRAIN, VAL, training_curves
 from tasks.prepare import load_prepared, prepare
 from tasks.shards import ShardError
 from tasks.tracking import read_metrics
-from tasks.train import TrainJob, run_training, simulated_acceptance_length
+from tasks.train import TrainJob, evaluate_draft, run_training
 from tasks.train_data import TrainDataError
 from tasks.vocab import build_vocab, load_vocab, token_frequencies
 
@@ -104,6 +105,28 @@ def test_best_checkpoint_is_chosen_by_simulated_acceptance(data, smollm2, tmp_pa
     assert result.simulated_acceptance_length == pytest.approx(best["simulated_acceptance_length"], abs=1e-4)
     assert best["simulated_acceptance_length"] == pytest.approx(simulated_acceptance_length(best, 3))
     assert (tmp_path / "checkpoints" / f"step-{result.best_step:08d}" / "COMPLETE").is_file()
+    assert 1.0 <= best["replayed_acceptance_length"] <= best["simulated_acceptance_length"] + 1e-6
+
+    # the exported draft, loaded in speculators' format, scores on the held-out samples what training
+    # logged for its step (bf16 export against float32 training). Its files lack the embeddings, which
+    # must come from the verifier: left to chance they hold whatever the memory held, a freed copy in
+    # a process that loaded the verifier before (this one), garbage in a fresh one (checked there)
+    from tasks.shards import ShardReader
+    from tasks.train_data import split_indices
+
+    fresh = subprocess.run([sys.executable, "-c", (
+        "import sys, torch; from safetensors.torch import load_file; from tasks.checkpoints import load_draft; "
+        f"v = load_file({str(Path(smollm2) / 'model.safetensors')!r})['model.embed_tokens.weight'].float(); "
+        f"sys.exit(0 if torch.equal(load_draft({result.draft_path!r}, torch.device('cpu')).embed_tokens.weight, v) "
+        "else 3)")], capture_output=True, text=True)
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+
+    _, held_out = split_indices(ShardReader(data[1].manifest).sample_ids, FAST["val_fraction"])
+    reloaded = evaluate_draft(result.draft_path, data[1].manifest, data[0].path, samples=held_out,
+                              total_seq_len=FAST["total_seq_len"])
+    for key in ("simulated_acceptance_length", "replayed_acceptance_length"):
+        got = simulated_acceptance_length(reloaded, 3) if key.startswith("simulated") else reloaded[key]
+        assert got == pytest.approx(best[key], abs=0.03), key
 
     board = tensorboard_scalars(tmp_path)  # TensorBoard holds what metrics.jsonl holds, step for step
     train_log = [m for m in read_metrics(tmp_path) if m["split"] == "train"]
@@ -115,6 +138,29 @@ def test_best_checkpoint_is_chosen_by_simulated_acceptance(data, smollm2, tmp_pa
             assert [v for _, v in got] == pytest.approx([m[key] for m in log], rel=1e-6), (split, key)
     curves = training_curves(read_metrics(tmp_path), tmp_path / "curves.png", result.best_step)
     assert colour_pixels(curves, TRAIN) > 1000 and colour_pixels(curves, VAL) > 500  # both splits drawn
+
+
+def test_replayed_decoding_accepts_leading_correct_tokens_and_restarts_after_them():
+    """Greedy speculative decoding replayed over one answer of 8 tokens (k=2): where the draft is
+    right everywhere each step takes k+1 tokens; where it is never right each step takes 1; a draft
+    never counts a token of the next document."""
+    k, n = 2, 8
+    targets = torch.arange(n).unsqueeze(0)
+    answer = torch.ones(1, n, dtype=torch.bool)
+    one_doc = torch.zeros(1, n, dtype=torch.long)
+    right = [torch.cat([targets[:, j:], torch.full((1, j), -1)], dim=1) for j in range(k)]
+    wrong = [torch.full((1, n), -1) for _ in range(k)]
+
+    def replay(draft, docs=one_doc):
+        counts = {key: v.item() for key, v in replay_speculative_decoding(draft, targets, answer, docs).items()}
+        return counts["replayed_acceptance_length_sum"], counts["replayed_acceptance_length_total"], \
+            [counts[f"replayed_acceptance_{i}_sum"] for i in range(k)]
+
+    assert replay(right) == (9, 3, [3, 3])  # starts at 0, 3, 6; the last draft runs past the answer
+    assert replay(wrong) == (8, 8, [0, 0])
+    two_docs = (torch.arange(n) >= 4).long().unsqueeze(0)  # documents of 4 tokens each
+    # starts at 0, 3 (its second token would be the next document's: one accepted), 5
+    assert replay(right, two_docs) == (8, 3, [3, 2])
 
 
 def test_simulated_acceptance_length_chains_conditional_accuracies():

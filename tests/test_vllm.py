@@ -107,9 +107,12 @@ def test_regeneration_rewrites_answers_with_the_verifier_and_resumes(smollm2, sh
     new_turns = sum(m["role"] == "assistant" for line in lines[2:] for m in line["messages"])
     assert report["assistant_turns"] == new_turns  # only the two new conversations were generated
 
-    # a kill while the second chunk was being recorded: that chunk is redone whole, to the same bytes
+    # a kill while the second chunk was being recorded (its part file ends after its first record):
+    # that chunk is redone whole, to the same bytes
     recorded = resumed.read_bytes()
-    resumed.write_bytes(recorded[: recorded.rstrip(b"\n").rfind(b"\n") + 1])
+    (part,) = (tmp_path / "hf" / "parts").glob("*.jsonl")  # one process (this one) ran both
+    data = part.read_bytes()
+    part.write_bytes(data[: data.rstrip(b"\n").rfind(b"\n") + 1])
     regenerate(RegenerateJob(**{**job.__dict__, "max_rows": 4}), in_process=True)
     assert resumed.read_bytes() == recorded
     assert json.loads((tmp_path / "hf" / "report.json").read_text())["assistant_turns"] == new_turns

@@ -1,0 +1,86 @@
+"""The extraction plan of a large run on 1, 4 and 16 nodes, from the pipeline's own plan code.
+
+    python bench/cluster_plan.py                       # Kimi-K2.5-class: hidden 7168, 61 layers, 547 GB
+    python bench/cluster_plan.py --conversations 100000 --tokens 2048 --nodes 1 4 16
+
+The shards come from `tasks.extract_plan.plan_shards` on stand-in rows of the given length (only
+their lengths shape the plan), the bytes and host buffers from `ExtractionPlan`, as the extract
+stage prints them. One rank per node (vLLM TP=8 over the node's 8 GPUs); shard i goes to rank
+i % nodes. The time of a node is its tokens over the slower of two rates, both given on the command
+line and printed: the verifier's forward (`--node-tokens-per-s`) and the disk write of the states
+(`--node-write-gb-s`); with a shared filesystem, the nodes' writes together are bounded by its
+aggregate bandwidth (`--fs-write-gb-s`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tasks.extract_plan import LAYERS_STORED, BYTES_PER_VALUE, ExtractionPlan, plan_shards  # noqa: E402
+from tasks.progress import format_seconds  # noqa: E402
+
+
+class Rows:
+    """What plan_shards reads from a prepared dataset, for `n` rows of `length` tokens."""
+
+    def __init__(self, n: int, length: int):
+        self.n, self.length = n, length
+
+    def __getitem__(self, key):
+        return {"seq_len": [self.length] * self.n, "sample_id": [f"c{i}" for i in range(self.n)]}[key]
+
+    def with_format(self, _):
+        ids = np.arange(self.length, dtype=np.int32)
+        return {"input_ids": (ids for _ in range(self.n))}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--conversations", type=int, default=100_000)
+    p.add_argument("--tokens", type=int, default=2048, help="tokens per conversation")
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--shard-tokens", type=int, default=131072, help="extract.shard_tokens (large-verifier.yaml)")
+    p.add_argument("--nodes", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--node-tokens-per-s", type=float, default=52_000,
+                   help="one node's extraction rate, compute bound (default: derived in docs/SCALE.md)")
+    p.add_argument("--node-write-gb-s", type=float, default=1.16, help="one node's write rate (measured: H200 node)")
+    p.add_argument("--fs-write-gb-s", type=float, default=None, help="the shared filesystem's aggregate write rate")
+    a = p.parse_args()
+
+    shards = plan_shards(Rows(a.conversations, a.tokens), "plan", a.shard_tokens)
+    tokens = sum(s.tokens for s in shards)
+    plan = ExtractionPlan("plan", "Kimi-K2.5-class", "-", [2, 30, 58, 61], a.hidden, a.conversations, tokens, shards)
+    summary = plan.summary()
+    per_token = LAYERS_STORED * a.hidden * BYTES_PER_VALUE
+    rows = []
+    for nodes in a.nodes:
+        mine = shards[0::nodes]  # rank 0 holds the most shards
+        node_tokens = sum(s.tokens for s in mine)
+        write_rate = a.node_write_gb_s * 1e9
+        if a.fs_write_gb_s:
+            write_rate = min(write_rate, a.fs_write_gb_s * 1e9 / nodes)
+        rate = min(a.node_tokens_per_s, write_rate / per_token)
+        rows.append({"nodes": nodes, "shards_per_node": len(mine), "tokens_per_node": node_tokens,
+                     "disk_written_per_node_tb": round(node_tokens * per_token / 1e12, 2),
+                     "host_buffers_gb_per_node": summary["host_buffers_gb_per_worker"],
+                     "node_tokens_per_s": round(rate), "bound": "compute" if rate == a.node_tokens_per_s else "disk",
+                     "expected_time": format_seconds(math.ceil(node_tokens / rate))})
+    print(plan.describe().splitlines()[0])
+    print(json.dumps({"plan": {k: summary[k] for k in ("samples", "tokens", "shards", "bytes_total_gb",
+                                                      "host_buffers_gb_per_worker")},
+                      "shard_gb": round(shards[0].tokens * per_token / 1e9, 2), "bytes_per_token": per_token,
+                      "rates": {"node_tokens_per_s": a.node_tokens_per_s, "node_write_gb_s": a.node_write_gb_s,
+                                "fs_write_gb_s": a.fs_write_gb_s},
+                      "nodes": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

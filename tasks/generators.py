@@ -1,0 +1,109 @@
+"""The generators answer regeneration uses (tasks/regenerate.py): vLLM where it imports, transformers
+`generate` everywhere else. Each is called with a batch of token-id prompts and returns the
+generated token ids of each."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+
+class TransformersGenerator:
+    """transformers `generate` where vLLM is not installed.
+
+    Throughput comes from keeping one compiled decoding step busy: prompts are sorted by length
+    (little padding), cut into batches of a fixed number of rows (the last one filled up), and
+    every batch reuses one static KV cache of max_seq_len + max_new_tokens positions, so shapes
+    never change and, on a GPU, transformers compiles the decoding step once (torch.compile with
+    CUDA graphs). Rows that finish early idle until their batch ends; sorting keeps that small.
+    On a GPU the number of rows is what fits in half the free memory, unless `batch_size` says.
+    """
+
+    name = "transformers"
+
+    def __init__(self, verifier_path: str, tokenizer, settings, max_prompt_len: int, trust_remote_code: bool):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch, self.tokenizer, self.settings = torch, tokenizer, settings
+        self.cuda = torch.cuda.is_available()
+        self.model = AutoModelForCausalLM.from_pretrained(
+            verifier_path, dtype=torch.bfloat16 if self.cuda else torch.float32,  # bf16 matmuls crawl on most CPUs
+            device_map="auto" if self.cuda else "cpu", trust_remote_code=trust_remote_code).eval()
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        cache_len = max_prompt_len + settings.max_new_tokens
+        self.rows = settings.batch_size or (self._rows_that_fit(cache_len) if self.cuda else 16)
+        self.cache_len, self.cache, self.cache_rows = cache_len, None, 0
+        log.info("transformers generator: %d rows per batch, a static KV cache of %d positions", self.rows, cache_len)
+
+    def _rows_that_fit(self, cache_len: int) -> int:
+        text = self.model.config.get_text_config()
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        kv_per_token = 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * 2  # K and V, bf16
+        per_row = cache_len * kv_per_token + 4 * 4 * text.vocab_size  # the cache + a few fp32 logit rows
+        free, _ = self.torch.cuda.mem_get_info()
+        return max(1, min(1024, int(0.5 * free / per_row)))
+
+    def __call__(self, prompts: list[list[int]]) -> list[list[int]]:
+        from transformers import StaticCache
+
+        torch = self.torch
+        if not prompts:
+            return []
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        outputs: list[list[int]] = [[] for _ in prompts]
+        device = self.model.get_input_embeddings().weight.device
+        sampling = {"do_sample": True, "temperature": self.settings.temperature} if self.settings.temperature else {
+            "do_sample": False}
+        # On a GPU every batch has the same rows (the last one filled up), so the compiled step is
+        # never recompiled; on a CPU nothing is compiled and small calls stay small.
+        rows = self.rows if self.cuda else min(self.rows, len(prompts))
+        if rows != self.cache_rows:
+            self.cache, self.cache_rows = StaticCache(config=self.model.config, max_cache_len=self.cache_len), rows
+        for start in range(0, len(order), rows):
+            batch = [prompts[i] for i in order[start: start + rows]]
+            batch += [batch[-1]] * (rows - len(batch))
+            width = max(map(len, batch))
+            ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in batch])  # left padding
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            with torch.inference_mode():  # the cache's tensors are inference tensors: reset them in here
+                self.cache.reset()
+                out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                          pad_token_id=self.pad, past_key_values=self.cache,
+                                          max_new_tokens=self.settings.max_new_tokens, **sampling)
+            for i, row in zip(order[start: start + rows], out[:, width:].tolist(), strict=False):
+                outputs[i] = [t for t in row if t != self.pad]
+        return outputs
+
+
+class VllmGenerator:
+    name = "vllm"
+
+    def __init__(self, verifier_path: str, settings, max_model_len: int, trust_remote_code: bool):
+        import torch
+        from vllm import LLM, SamplingParams
+
+        on_cpu = not torch.cuda.is_available()
+        if on_cpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        self.llm = LLM(model=verifier_path, dtype="bfloat16", seed=0, enforce_eager=on_cpu,
+                       max_model_len=max_model_len, trust_remote_code=trust_remote_code)
+        self.sampling = SamplingParams(temperature=settings.temperature, max_tokens=settings.max_new_tokens, seed=0)
+
+    def __call__(self, prompts: list[list[int]]) -> list[list[int]]:
+        from vllm import TokensPrompt
+
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], self.sampling, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def make_generator(job, tokenizer):
+    """The configured backend for a RegenerateJob ('auto': vLLM where it imports)."""
+    from tasks.vllm_backend import vllm_available
+
+    s = job.regenerate_settings
+    if s.backend == "vllm" or (s.backend == "auto" and vllm_available()):
+        return VllmGenerator(job.verifier_path, s, job.max_seq_len + s.max_new_tokens, job.trust_remote_code)
+    return TransformersGenerator(job.verifier_path, tokenizer, s, job.max_seq_len, job.trust_remote_code)
