@@ -7,7 +7,8 @@ Kinds (`--kinds`, default all):
 - kill-regenerate, kill-extract-1, kill-extract-2, kill-train, kill-flow: the stage's whole process
   group (the stage, its workers, the flow's Prefect server) gets SIGKILL at a time drawn uniformly
   from [0, the uninterrupted run's wall time), until `--trials` kills landed while it ran (a time past
-  its end is recorded as a trial too); the stage then runs again to completion. Per trial:
+  its end is recorded as a trial too, and that run's wall time bounds later draws); the stage then
+  runs again to completion. Per trial:
   whether the final output is identical to the uninterrupted run's (bytes for shards and
   regenerated data, tensors for the draft, records for the metrics log), the finished work the
   re-run did again (shards rewritten, conversations regenerated, training steps past the
@@ -285,7 +286,9 @@ ATIME_WORKS = True
 
 def kill_trials(inputs: Inputs, kind: str, kills: int, rng: random.Random) -> list[Trial]:
     """Trials until `kills` kills landed while the stage ran (a drawn time past the run's end, on a
-    machine busier for the reference than for the trial, is recorded too; at most 2 * kills trials)."""
+    machine busier for the reference than for the trial, is recorded too; at most 2 * kills trials).
+    Times are drawn up to the shortest uninterrupted run seen: the reference's, or a trial's that
+    ended before its kill (on a shared machine the reference may have run slower than the trials)."""
     stage = kind.removeprefix("kill-")
     ref_out, wall = inputs.reference(stage)
     out_of = {"flow": train_folder}.get(stage.split("-")[0], lambda out: out)
@@ -299,7 +302,10 @@ def kill_trials(inputs: Inputs, kind: str, kills: int, rng: random.Random) -> li
         kill_at = rng.uniform(0, wall)
         logfile = out.with_suffix(".log")
         logfile.unlink(missing_ok=True)
+        t0 = time.monotonic()
         killed = run_stage(inputs.command(stage, out), logfile, kill_at).returncode == -signal.SIGKILL
+        if not killed:
+            wall = min(wall, time.monotonic() - t0)
         before = snapshot(stage, out)
         temporaries = Temporaries(out, inputs.work / f"watch-{kind}-{i}")
         rerun = run_stage(inputs.command(stage, out), logfile)
