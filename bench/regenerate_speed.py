@@ -6,8 +6,11 @@ generation of ShareGPT first turns, side by side in one process.
 - `dynamic`: what the pipeline did before: batches of --dynamic-rows prompts in file order, left
   padded, transformers' default (dynamic) KV cache, no compilation; run on the first
   --dynamic-prompts prompts only (it is slow).
-- `static`: the pipeline's `TransformersGenerator` (length-sorted fixed-shape batches over one
-  static KV cache, the decoding step compiled once with CUDA graphs).
+- `static`: the pipeline's `TransformersGenerator` (length-sorted fixed-shape batches over static
+  KV caches of a few sizes, the decoding step compiled once per size with CUDA graphs, attention
+  reading each KV head once: tasks/decode_attention.py).
+- `static-sdpa`: the same with transformers' own SDPA attention (with a padding mask it copies the
+  KV heads for every query head at every step): what the folded attention saves.
 - `continuous`: transformers' continuous batching (`generate_batch`: paged KV cache, finished
   rows refilled at once), with its default configuration.
 
@@ -113,7 +116,8 @@ def main() -> None:
     p.add_argument("--max-prompt-len", type=int, default=1024)
     p.add_argument("--dynamic-prompts", type=int, default=512)
     p.add_argument("--dynamic-rows", type=int, default=512)
-    p.add_argument("--variants", default="dynamic,static,continuous")
+    p.add_argument("--rows", type=int, help="rows per batch of the static variants (default: what fits)")
+    p.add_argument("--variants", default="dynamic,static,static-sdpa,continuous")
     p.add_argument("--out")
     a = p.parse_args()
     n = a.max_new_tokens
@@ -128,9 +132,10 @@ def main() -> None:
                      "prompt_tokens_mean": round(sum(map(len, prompts)) / len(prompts), 1)}
     for variant in a.variants.split(","):
         t0 = time.perf_counter()
-        if variant == "static":
-            settings = RegenerateSettings(max_new_tokens=n)
-            generator = TransformersGenerator(a.verifier, tokenizer, settings, a.max_prompt_len, False)
+        if variant in ("static", "static-sdpa"):
+            settings = RegenerateSettings(max_new_tokens=n, batch_size=a.rows)
+            attention = {"static": "sdpa_folded_gqa", "static-sdpa": "sdpa"}[variant]
+            generator = TransformersGenerator(a.verifier, tokenizer, settings, a.max_prompt_len, False, attention)
             warm, generate, extra = generator.rows, generator, {"rows": generator.rows}
         else:
             model = AutoModelForCausalLM.from_pretrained(a.verifier, dtype=torch.bfloat16).to(device).eval()
@@ -148,15 +153,16 @@ def main() -> None:
         del generate
         torch.cuda.empty_cache() if device == "cuda" else None
     reference = results.get("dynamic", {}).get("outputs")
-    for variant in ("static", "continuous"):
+    for variant in ("static", "static-sdpa", "continuous"):
         if reference and "outputs" in results.get(variant, {}):
             results[variant]["identical_to_dynamic"] = identical_share(reference, results[variant]["outputs"])
-    rates = {v: results[v]["steady_tokens_per_s"] for v in ("dynamic", "static", "continuous")
+    variants = ("dynamic", "static", "static-sdpa", "continuous")
+    rates = {v: results[v]["steady_tokens_per_s"] for v in variants
              if results.get(v, {}).get("steady_tokens_per_s")}
     results["regenerate_tokens_per_s"] = rates.get("static")
     if "dynamic" in rates:
         results.update({f"{v}_vs_dynamic": round(r / rates["dynamic"], 2) for v, r in rates.items() if v != "dynamic"})
-    for v in ("dynamic", "static", "continuous"):
+    for v in variants:
         results.get(v, {}).pop("outputs", None)
     line = json.dumps(results)
     if a.out:

@@ -37,6 +37,7 @@ from prefect.tasks import exponential_backoff
 import tasks.acceptance
 import tasks.chat_data
 import tasks.chat_template
+import tasks.decode_attention
 import tasks.draft_check
 import tasks.extract
 import tasks.extract_plan
@@ -159,7 +160,8 @@ def _prepare_key(ctx, p) -> str:
     fp = prepare_fingerprint(c.verifier.path, c.data.sources, c.data.max_rows, c.data.max_seq_len, regenerate,
                              c.data.supervise_end_of_turn)
     return cache_key(ctx, fp, c.output_dir,
-                     modules=(tasks.prepare, tasks.chat_data, tasks.chat_template, tasks.regenerate, tasks.generators))
+                     modules=(tasks.prepare, tasks.chat_data, tasks.chat_template, tasks.regenerate, tasks.generators,
+                              tasks.decode_attention))
 
 
 @task(name="prepare", cache_key_fn=_prepare_key, retries=1, retry_delay_seconds=5, **RETRY_TRANSIENT)
