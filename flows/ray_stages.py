@@ -247,14 +247,15 @@ def merge_regenerated_task(job: RegenerateJob, world_size: int) -> Path:
 
 def regenerate_on_ray(cluster: ClusterSettings, job: RegenerateJob, *,
                       callback: ProgressCallback | None = None) -> Path:
-    """Answer regeneration on the cluster: one `rank_task` per rank (chunk c by rank c % N, one
-    accelerator each: vLLM and transformers generate on one GPU), then one task writes the
-    conversations file, the same file a local run writes."""
+    """Answer regeneration on the cluster: one `rank_task` per rank (chunk c by rank c % N, each on
+    regenerate.tensor_parallel_size accelerators: one vLLM engine, or one transformers model spread
+    over them), then one task writes the conversations file, the same file a local run writes."""
     job = replace(job, out_dir=str(Path(job.out_dir).resolve()),
                   sources=[str(Path(p).resolve()) if Path(p).exists() else p for p in job.sources])
+    accelerators = job.regenerate_settings.tensor_parallel_size or 1
     with ray_runner(cluster) as runner:
-        ranks = rank_count(cluster, 1)
-        run_ranks(runner, cluster, "regenerate", "tasks.regenerate", job, ranks, 1, callback)
+        ranks = rank_count(cluster, accelerators)
+        run_ranks(runner, cluster, "regenerate", "tasks.regenerate", job, ranks, accelerators, callback)
     return merge_regenerated_task(job, ranks)
 
 

@@ -43,8 +43,16 @@ class RegenerateSettings(Section):
         1024, gt=0, description="Conversations per chunk: each chunk is appended to disk when done, so a crash "
         "costs at most one chunk.")
     batch_size: int | None = Field(
-        None, gt=0, description="transformers backend: rows per generation batch (default: what fits in half "
+        None, gt=0, description="transformers backend: rows per generation batch (default: what fits in 70% of "
         "the free GPU memory with a static KV cache; 16 on CPU).")
+    tensor_parallel_size: int | None = Field(
+        None, gt=0, description="GPUs per generating process (vLLM: tensor parallel; transformers: the model "
+        "spread over them). Default: extract.tensor_parallel_size, the verifier's size on this hardware.")
+
+    def output_settings(self) -> dict:
+        """The settings that decide the regenerated answers, for fingerprints and cache keys; the rest
+        (whether it runs, the generator, chunk and batch sizes) only changes how they are made."""
+        return self.model_dump(exclude={"enabled", "backend", "chunk_size", "batch_size", "tensor_parallel_size"})
 
 
 class DataSettings(Section):
@@ -96,6 +104,13 @@ class ExtractSettings(Section):
             raise ValueError(f"layer ids must be distinct and >= 1 (id k is the output of decoder layer k), got {v}")
         return sorted(v)
 
+    def output_settings(self) -> dict:
+        """The settings that decide the shards, for cache keys. The rest only changes how they are made:
+        finished shards are reused by fingerprint (verifier, layers, dtype, samples) whatever the backend,
+        device, batch size, number of ranks, verification or disk reserve."""
+        return self.model_dump(exclude={"backend", "device", "batch_tokens", "tensor_parallel_size",
+                                        "gpu_memory_utilization", "workers", "reserve_disk_gb", "verify"})
+
 
 class VocabSettings(Section):
     draft_vocab_size: int = Field(32000, gt=0, description="Capped at the verifier's vocabulary size.")
@@ -127,6 +142,11 @@ class TrainSettings(Section):
     nproc: int = Field(1, gt=0, description="Processes for DDP under torchrun (one per GPU).")
     loader_workers: int = Field(0, ge=0, description="DataLoader worker processes.")
     device: str = "auto"
+
+    def output_settings(self) -> dict:
+        """The settings that decide the draft, for fingerprints and cache keys (data loading, device
+        and logging only change how it is made)."""
+        return self.model_dump(exclude={"loader_workers", "device", "log_every", "tensorboard"})
 
 
 class ValidationSettings(Section):

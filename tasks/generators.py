@@ -111,6 +111,7 @@ class VllmGenerator:
         if on_cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         self.llm = LLM(model=verifier_path, dtype="bfloat16", seed=0, enforce_eager=on_cpu,
+                       tensor_parallel_size=settings.tensor_parallel_size or 1,
                        max_model_len=max_model_len, trust_remote_code=trust_remote_code)
         self.sampling = SamplingParams(temperature=settings.temperature, max_tokens=settings.max_new_tokens, seed=0)
 

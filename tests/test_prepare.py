@@ -288,3 +288,21 @@ def test_regeneration_chunks_go_to_ranks_the_same_way_for_any_rank_count_and_ret
     done = {"c0": {}, "c1": {}, "c2": {}, "c3": {}}
     assert chunks_of_rank(rows, done, 3, 0, 3) == [rows[9:]]
     assert chunks_of_rank(rows, done, 3, 1, 3) == [rows[4:6]]
+
+
+def test_regeneration_generates_on_the_gpus_extraction_uses_unless_told(smollm2, sharegpt, tmp_path):
+    """A verifier that needs tensor parallelism to extract needs it to generate (a Kimi-class preset
+    sets it once, under extract); how many GPUs generate does not change the answers' folder."""
+    from tasks.config import PipelineConfig
+    from tasks.regenerate import regeneration_job
+
+    def job(regenerate: dict):
+        return regeneration_job(PipelineConfig.model_validate({
+            "name": "t", "output_dir": str(tmp_path), "verifier": {"path": smollm2},
+            "data": {"sources": [sharegpt], "regenerate": {"enabled": True, **regenerate}},
+            "extract": {"tensor_parallel_size": 4}}))
+
+    inherited, told = job({}), job({"tensor_parallel_size": 2})
+    assert inherited.regenerate_settings.tensor_parallel_size == 4
+    assert told.regenerate_settings.tensor_parallel_size == 2
+    assert inherited.out_dir == told.out_dir
