@@ -77,8 +77,8 @@ class ExtractSettings(Section):
     storage_dtype: Literal["bf16", "fp8_e4m3"] = Field(
         "bf16",
         description="How shards store the hidden states: 'bf16' as computed, or 'fp8_e4m3' with a float32 scale "
-        "per token and layer (amax / 448), 0.50-0.51 of bf16's bytes on disk and in host buffers, ~3% relative "
-        "error per token (cosine > 0.999); training reads either as bf16. Part of the shards' fingerprint: "
+        "per token and layer (amax / 448): 0.504 of bf16's bytes on disk and in host buffers, ~2% relative "
+        "error per token (cosine > 0.999; docs/RESULTS.md); training reads either as bf16. Part of the shards' fingerprint: "
         "shards of the other dtype in the folder are never used.",
     )
     tensor_parallel_size: int = Field(1, gt=0, description="vLLM backend.")
