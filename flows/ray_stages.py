@@ -206,7 +206,8 @@ def extract_on_ray(cluster: ClusterSettings, job: ExtractJob, *, on_plan=None,
     out_dir = Path(job.out_dir).resolve()
     job = replace(job, out_dir=str(out_dir), prepared_path=str(Path(job.prepared_path).resolve()))
     prepared, verifier, layers = load_inputs(job)
-    plan = make_plan(prepared, verifier, layers, out_dir, compute_dtype=job.compute_dtype, shard_tokens=s.shard_tokens)
+    plan = make_plan(prepared, verifier, layers, out_dir, compute_dtype=job.compute_dtype, shard_tokens=s.shard_tokens,
+                     storage_dtype=s.storage_dtype)
     log.info("%s", plan.describe())
     if on_plan is not None:
         on_plan(plan)
