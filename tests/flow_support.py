@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 from tasks.chat_data import Dropped, read_rows
@@ -34,22 +33,8 @@ def small_config(out: Path, data: Path, /, **sections) -> PipelineConfig:
     return PipelineConfig.model_validate(base)
 
 
-def task_states(flow_run_id, timeout_s: float = 60) -> dict[str, tuple[str, int]]:
-    """{task name: (state name, run count)} of a flow run, read back from the Prefect API once the
-    server recorded them: task run states reach it as events, which it may still be processing when
-    the flow returns (on a loaded machine a read right away missed the last two tasks)."""
-    from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-    from prefect.events.worker import EventsWorker
+def task_states(flow_run_id) -> dict[str, tuple[str, int]]:
+    """{task name: (state name, run count)} of a flow run, once the Prefect server recorded them."""
+    from flows.cli import recorded_task_runs
 
-    EventsWorker.drain_all()
-    deadline, previous = time.monotonic() + timeout_s, None
-    while True:
-        with get_client(sync_client=True) as client:
-            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-        states = {r.name.rsplit("-", 1)[0]: (r.state.name, r.run_count) for r in runs}
-        settled = all(r.state is not None and r.state.is_final() for r in runs) and states == previous
-        if settled or time.monotonic() > deadline:
-            return states
-        previous = states
-        time.sleep(1)
+    return {r.name.rsplit("-", 1)[0]: (r.state.name, r.run_count) for r in recorded_task_runs(flow_run_id)}
