@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tasks.extract_plan import LAYERS_STORED, BYTES_PER_VALUE, ExtractionPlan, plan_shards  # noqa: E402
+from tasks.extract_plan import ExtractionPlan, plan_shards  # noqa: E402
 from tasks.progress import format_seconds  # noqa: E402
 
 
@@ -48,6 +48,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=2048, help="tokens per conversation")
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--shard-tokens", type=int, default=131072, help="extract.shard_tokens (large-verifier.yaml)")
+    p.add_argument("--storage-dtype", choices=["bf16", "fp8_e4m3"], default="bf16", help="extract.storage_dtype")
     p.add_argument("--nodes", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--node-tokens-per-s", type=float, default=52_000,
                    help="one node's extraction rate, compute bound (default: derived in docs/SCALE.md)")
@@ -57,9 +58,10 @@ def main() -> None:
 
     shards = plan_shards(Rows(a.conversations, a.tokens), "plan", a.shard_tokens)
     tokens = sum(s.tokens for s in shards)
-    plan = ExtractionPlan("plan", "Kimi-K2.5-class", "-", [2, 30, 58, 61], a.hidden, a.conversations, tokens, shards)
+    plan = ExtractionPlan("plan", "Kimi-K2.5-class", "-", [2, 30, 58, 61], a.hidden, a.conversations, tokens, shards,
+                          storage_dtype=a.storage_dtype)
     summary = plan.summary()
-    per_token = LAYERS_STORED * a.hidden * BYTES_PER_VALUE
+    per_token = plan.bytes_per_token
     rows = []
     for nodes in a.nodes:
         mine = shards[0::nodes]  # rank 0 holds the most shards

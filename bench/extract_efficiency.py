@@ -3,9 +3,13 @@ over the bare forward tokens/s of the same model on the same batches, measured i
 
     python bench/extract_efficiency.py                       # SmolLM2 on ShareGPT rows, this machine
     python bench/extract_efficiency.py --random-llama-8b     # Llama-3.1-8B shapes, random bf16 weights (GPU)
+    python bench/extract_efficiency.py --storage-dtypes bf16 fp8_e4m3   # both storage dtypes, side by side
 
 Prints one JSON line: extract_efficiency (goal >= 0.95), bytes_real_over_planned, extract_mfu
-(achieved FLOP/s over the measured bf16 matmul peak), and the raw rates.
+(achieved FLOP/s over the measured bf16 matmul peak), and the raw rates. With several storage dtypes
+(extract.storage_dtype), each is extracted twice, in alternating order, between the bare forwards
+of one loaded model; the first dtype's figures are the top-level ones, every dtype's are under
+`storage_dtypes`, with fp8_bytes_over_bf16 and fp8_rate_over_bf16.
 """
 
 from __future__ import annotations
@@ -85,6 +89,7 @@ def main() -> None:
     p.add_argument("--batch-tokens", type=int, default=8192)
     p.add_argument("--shard-tokens", type=int, default=65536)
     p.add_argument("--out", default=None, help="where shards go (default: a temporary folder on this disk)")
+    p.add_argument("--storage-dtypes", nargs="+", choices=["bf16", "fp8_e4m3"], default=["bf16"])
     a = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     logging.getLogger("tasks.shard_writer").setLevel(logging.INFO)  # the writer's disk statistics
@@ -109,8 +114,10 @@ def main() -> None:
         params = sum(p.numel() for p in model.parameters()) - verifier.vocab_size * verifier.hidden_size
     else:
         backend.attach(model)
-    plan = ExtractionPlan("bench", str(path), "bench", layers, verifier.hidden_size, len(prepared), sum(prepared["seq_len"]),
-                          plan_shards(prepared, "bench", a.shard_tokens))
+    plans = {d: ExtractionPlan("bench", str(path), "bench", layers, verifier.hidden_size, len(prepared),
+                               sum(prepared["seq_len"]), plan_shards(prepared, "bench", a.shard_tokens), storage_dtype=d)
+             for d in a.storage_dtypes}
+    plan = plans[a.storage_dtypes[0]]
     lengths, ids = prepared["seq_len"], prepared["input_ids"]
     all_batches = [[ids[r] for r in b] for s in plan.shards for b in batches(s, lengths, a.batch_tokens)]
 
@@ -126,22 +133,29 @@ def main() -> None:
         sync(device)
         return plan.tokens / (time.perf_counter() - t0)
 
-    def extraction() -> float:
-        out = work / "hidden_states"
+    def extraction(dtype: str) -> float:
+        out = work / f"hidden_states-{dtype}"
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir()
         t0 = time.perf_counter()
-        extract_shards(plan.shards, plan, prepared, out, backend, batch_tokens=a.batch_tokens)
+        extract_shards(plans[dtype].shards, plans[dtype], prepared, out, backend, batch_tokens=a.batch_tokens)
         return plan.tokens / (time.perf_counter() - t0)
 
     bare_forward()  # warm-up (allocator, kernels)
-    fwd = [bare_forward(), None, None]
-    ext = [extraction()]
-    fwd[1] = bare_forward()
-    ext.append(extraction())
-    fwd[2] = bare_forward()
-    bare, ours = sorted(fwd)[1], max(ext)
-    real_bytes = sum(f.stat().st_size for f in (work / "hidden_states").glob("shard-*.safetensors"))
+    fwd = [bare_forward()]
+    ext: dict[str, list[float]] = {d: [] for d in a.storage_dtypes}
+    for order in (a.storage_dtypes, a.storage_dtypes[::-1]):  # alternating: drift in the machine's speed cancels
+        for d in order:
+            ext[d].append(extraction(d))
+        fwd.append(bare_forward())
+    bare = sorted(fwd)[len(fwd) // 2]
+    per_dtype = {}
+    for d, p_ in plans.items():
+        real_bytes = sum(f.stat().st_size for f in (work / f"hidden_states-{d}").glob("shard-*.safetensors"))
+        per_dtype[d] = {"extract_tokens_per_s": round(max(ext[d])), "runs_tokens_per_s": [round(x) for x in ext[d]],
+                        "extract_efficiency": round(max(ext[d]) / bare, 3), "bytes": real_bytes,
+                        "bytes_real_over_planned": round(real_bytes / p_.bytes_total, 4)}
+    ours = max(ext[a.storage_dtypes[0]])
     peak = matmul_peak(device)
     report = {
         "device": torch.cuda.get_device_name() if device == "cuda" else f"cpu x{torch.get_num_threads()}",
@@ -149,10 +163,17 @@ def main() -> None:
         "tokens": plan.tokens, "batches": len(all_batches), "shards": len(plan.shards),
         "bare_forward_tokens_per_s": round(bare), "extract_tokens_per_s": round(ours),
         "extract_efficiency": round(ours / bare, 3),
-        "bytes_real_over_planned": round(real_bytes / plan.bytes_total, 4),
+        "bytes_real_over_planned": per_dtype[a.storage_dtypes[0]]["bytes_real_over_planned"],
         "extract_mfu": round(2 * params * ours / peak, 3), "matmul_peak_tflops": round(peak / 1e12, 1),
         "torch": torch.__version__,
     }
+    if len(per_dtype) > 1:
+        report["bare_forward_runs_tokens_per_s"] = [round(x) for x in fwd]
+        report["storage_dtypes"] = per_dtype
+        if {"bf16", "fp8_e4m3"} <= per_dtype.keys():
+            fp8, bf16 = per_dtype["fp8_e4m3"], per_dtype["bf16"]
+            report["fp8_bytes_over_bf16"] = round(fp8["bytes"] / bf16["bytes"], 4)
+            report["fp8_rate_over_bf16"] = round(fp8["extract_tokens_per_s"] / bf16["extract_tokens_per_s"], 3)
     print(json.dumps(report))
     if a.out is None:
         shutil.rmtree(work, ignore_errors=True)

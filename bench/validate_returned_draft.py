@@ -3,7 +3,8 @@ acceptance next to the simulated one.
 
     python bench/validate_returned_draft.py RETURNED_DIR [--prompts 80 --max-new-tokens 256]
 
-RETURNED_DIR holds `draft_config.json`, `draft.safetensors.part*` and `acceptance.json`. The draft
+RETURNED_DIR holds `draft_config.json`, `draft.safetensors.part*` and, when bench/recipe.py scored the
+draft on MT-Bench there, `acceptance.json`. The draft
 is reassembled (its verifier path pointed at the local SmolLM2 demo asset: the same model), checked
 statically, and served greedily on MT-Bench first turns with k=3.
 """
@@ -43,15 +44,16 @@ def main() -> None:
     returned = Path(a.returned)
     verifier = ensure_asset("smollm2-135m-instruct")
     draft = reassemble(returned, returned.parent / "returned-draft", verifier)
-    trained = json.loads((returned / "acceptance.json").read_text())
+    scored = returned / "acceptance.json"  # bench/recipe.py's MT-Bench score of the draft, when it ran
+    simulated = json.loads(scored.read_text())["ours"]["simulated_acceptance_length"] if scored.exists() else None
     settings = ValidationSettings(prompts=str(ensure_asset("mt-bench")), max_prompts=a.prompts,
                                   max_new_tokens=a.max_new_tokens)
     result = validate(str(draft), str(verifier), json.loads((draft / "config.json").read_text())[
         "eagle_aux_hidden_state_layer_ids"], settings, returned.parent / "returned-validation",
-        simulated_acceptance_length=trained["ours"]["simulated_acceptance_length"])
+        simulated_acceptance_length=simulated)
     print(json.dumps({"vllm_mean_acceptance_length": result.mean_acceptance_length,
                       "vllm_per_position_acceptance": result.per_position_acceptance,
-                      "simulated_acceptance_length_mtbench": trained["ours"]["simulated_acceptance_length"],
+                      "simulated_acceptance_length_mtbench": simulated,
                       "identical_outputs": result.identical_outputs, "report": result.report_markdown}))
 
 

@@ -150,16 +150,33 @@ def report_failure(state, stages: dict) -> int:
     return 1
 
 
-def stage_runs(flow_run_id) -> dict:
-    """{stage name: its last task run} of a flow run, in the order they ran."""
+def recorded_task_runs(flow_run_id, timeout_s: float = 60) -> list:
+    """A flow run's task runs as the Prefect server recorded them, in the order they ran. Task run
+    states reach the server as events, which it may still be processing when the flow returns (on
+    a loaded machine the last stages had no state yet): this waits until every run has a final
+    state and two reads agree, or `timeout_s` passed."""
     from prefect import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
     from prefect.client.schemas.sorting import TaskRunSort
+    from prefect.events.worker import EventsWorker
 
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
-                                     sort=TaskRunSort.EXPECTED_START_TIME_ASC)
-    return {r.name.rsplit("-", 1)[0]: r for r in runs}
+    EventsWorker.drain_all()
+    deadline, previous = time.monotonic() + timeout_s, None
+    while True:
+        with get_client(sync_client=True) as client:
+            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+                                         sort=TaskRunSort.EXPECTED_START_TIME_ASC)
+        seen = [(r.id, r.state and r.state.type, r.run_count) for r in runs]
+        settled = all(r.state is not None and r.state.is_final() for r in runs) and seen == previous
+        if settled or time.monotonic() > deadline:
+            return runs
+        previous = seen
+        time.sleep(1)
+
+
+def stage_runs(flow_run_id) -> dict:
+    """{stage name: its last task run} of a flow run, in the order they ran."""
+    return {r.name.rsplit("-", 1)[0]: r for r in recorded_task_runs(flow_run_id)}
 
 
 if __name__ == "__main__":

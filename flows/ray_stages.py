@@ -210,7 +210,8 @@ def extract_on_ray(cluster: ClusterSettings, job: ExtractJob, *, on_plan=None,
     out_dir = Path(job.out_dir).resolve()
     job = replace(job, out_dir=str(out_dir), prepared_path=str(Path(job.prepared_path).resolve()))
     prepared, verifier, layers = load_inputs(job)
-    plan = make_plan(prepared, verifier, layers, out_dir, compute_dtype=job.compute_dtype, shard_tokens=s.shard_tokens)
+    plan = make_plan(prepared, verifier, layers, out_dir, compute_dtype=job.compute_dtype, shard_tokens=s.shard_tokens,
+                     storage_dtype=s.storage_dtype)
     log.info("%s", plan.describe())
     if on_plan is not None:
         on_plan(plan)
@@ -251,15 +252,16 @@ def merge_regenerated_task(job: RegenerateJob, world_size: int) -> Path:
 
 def regenerate_on_ray(cluster: ClusterSettings, job: RegenerateJob, *,
                       callback: ProgressCallback | None = None) -> Path:
-    """Answer regeneration on the cluster: one `rank_task` per rank (chunk c by rank c % N, one
-    accelerator each: vLLM and transformers generate on one GPU), then one task writes the
-    conversations file, the same file a local run writes."""
+    """Answer regeneration on the cluster: one `rank_task` per rank (chunk c by rank c % N, each on
+    regenerate.tensor_parallel_size accelerators: one vLLM engine, or one transformers model spread
+    over them), then one task writes the conversations file, the same file a local run writes."""
     job = replace(job, out_dir=str(Path(job.out_dir).resolve()),
                   sources=[str(Path(p).resolve()) if Path(p).exists() else p for p in job.sources])
+    accelerators = job.regenerate_settings.tensor_parallel_size or 1
     with folder_lock(job.out_dir, "regeneration"):
         with ray_runner(cluster) as runner:
-            ranks = rank_count(cluster, 1)
-            run_ranks(runner, cluster, "regenerate", "tasks.regenerate", job, ranks, 1, callback)
+            ranks = rank_count(cluster, accelerators)
+            run_ranks(runner, cluster, "regenerate", "tasks.regenerate", job, ranks, accelerators, callback)
         return merge_regenerated_task(job, ranks)
 
 

@@ -38,6 +38,7 @@ import tasks.acceptance
 import tasks.chat_data
 import tasks.chat_template
 import tasks.checkpoints
+import tasks.decode_attention
 import tasks.draft_check
 import tasks.extract
 import tasks.extract_plan
@@ -155,12 +156,13 @@ def table(rows: dict) -> list[dict]:
 
 def _prepare_key(ctx, p) -> str:
     c: PipelineConfig = p["config"]
-    regenerate = ({**c.data.regenerate.model_dump(), "verifier": verifier_fingerprint(c.verifier.path)}
+    regenerate = ({**c.data.regenerate.output_settings(), "verifier": verifier_fingerprint(c.verifier.path)}
                   if c.data.regenerate.enabled else None)
     fp = prepare_fingerprint(c.verifier.path, c.data.sources, c.data.max_rows, c.data.max_seq_len, regenerate,
                              c.data.supervise_end_of_turn)
     return cache_key(ctx, fp, c.output_dir,
-                     modules=(tasks.prepare, tasks.chat_data, tasks.chat_template, tasks.regenerate, tasks.generators))
+                     modules=(tasks.prepare, tasks.chat_data, tasks.chat_template, tasks.regenerate, tasks.generators,
+                              tasks.decode_attention))
 
 
 @task(name="prepare", cache_key_fn=_prepare_key, retries=1, retry_delay_seconds=5, **RETRY_TRANSIENT)
@@ -201,9 +203,8 @@ def _extract_job(config: PipelineConfig, prepared: PreparedData) -> ExtractJob:
 
 def _extract_key(ctx, p) -> str:
     c: PipelineConfig = p["config"]
-    settings = c.extract.model_dump(exclude={"workers"})  # the shards are the same for any number of ranks
     return cache_key(ctx, p["prepared"].fingerprint, verifier_fingerprint(c.verifier.path), c.verifier.dtype,
-                     settings, c.output_dir,
+                     c.extract.output_settings(), c.output_dir,
                      modules=(tasks.extract, tasks.extract_plan, tasks.shard_writer, tasks.shards,
                               tasks.subprocess_runs, tasks.hf_backend))
 
@@ -267,7 +268,7 @@ def _train_job(config: PipelineConfig, prepared: PreparedData, extracted: Extrac
 
 def _train_key(ctx, p) -> str:
     c: PipelineConfig = p["config"]
-    return cache_key(ctx, p["extracted"].fingerprint, p["vocab"].fingerprint, c.train.model_dump(),
+    return cache_key(ctx, p["extracted"].fingerprint, p["vocab"].fingerprint, c.train.output_settings(),
                      c.output_dir, modules=(tasks.train, tasks.checkpoints, tasks.train_data, tasks.acceptance,
                                             tasks.subprocess_runs))
 

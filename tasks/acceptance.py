@@ -69,7 +69,8 @@ def replay_speculative_decoding(draft_tokens: list[torch.Tensor], targets: torch
     counts = {f"{REPLAYED}_length_sum": tokens, f"{REPLAYED}_length_total": steps}
     for i, a in enumerate(accepted):
         counts |= {f"{REPLAYED}_{i}_sum": a, f"{REPLAYED}_{i}_total": steps}
-    return {name: torch.tensor(float(v)) for name, v in counts.items()}
+    # on the batch's device: they are summed and all-reduced with speculators' metrics
+    return {name: torch.tensor(float(v), device=target.device) for name, v in counts.items()}
 
 
 def replayed_per_position(metrics: dict[str, float], k: int) -> list[float]:

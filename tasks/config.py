@@ -43,8 +43,16 @@ class RegenerateSettings(Section):
         1024, gt=0, description="Conversations per chunk: each chunk is appended to disk when done, so a crash "
         "costs at most one chunk.")
     batch_size: int | None = Field(
-        None, gt=0, description="transformers backend: rows per generation batch (default: what fits in half "
+        None, gt=0, description="transformers backend: rows per generation batch (default: what fits in 70% of "
         "the free GPU memory with a static KV cache; 16 on CPU).")
+    tensor_parallel_size: int | None = Field(
+        None, gt=0, description="GPUs per generating process (vLLM: tensor parallel; transformers: the model "
+        "spread over them). Default: extract.tensor_parallel_size, the verifier's size on this hardware.")
+
+    def output_settings(self) -> dict:
+        """The settings that decide the regenerated answers, for fingerprints and cache keys; the rest
+        (whether it runs, the generator, chunk and batch sizes) only changes how they are made."""
+        return self.model_dump(exclude={"enabled", "backend", "chunk_size", "batch_size", "tensor_parallel_size"})
 
 
 class DataSettings(Section):
@@ -70,9 +78,16 @@ class ExtractSettings(Section):
     batch_tokens: int = Field(16384, gt=0, description="Padded tokens per forward batch.")
     shard_tokens: int = Field(
         65536, gt=0,
-        description="Target tokens per shard file (x 4 layers x hidden x 2 bytes: 2.1 GB for hidden 4096). Each "
+        description="Target tokens per shard file (x 4 layers x hidden x 2 bytes in bf16: 2.1 GB for hidden 4096). Each "
         "worker holds 3 shards in host memory, a crash redoes at most the shards in flight, and the last "
         "shard's write is a fixed tail of every run.",
+    )
+    storage_dtype: Literal["bf16", "fp8_e4m3"] = Field(
+        "bf16",
+        description="How shards store the hidden states: 'bf16' as computed, or 'fp8_e4m3' with a float32 scale "
+        "per token and layer (amax / 448): 0.504 of bf16's bytes on disk and in host buffers, ~2% relative "
+        "error per token (cosine > 0.999; docs/RESULTS.md); training reads either as bf16. Part of the shards' fingerprint: "
+        "shards of the other dtype in the folder are never used.",
     )
     tensor_parallel_size: int = Field(1, gt=0, description="vLLM backend.")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vLLM backend.")
@@ -95,6 +110,13 @@ class ExtractSettings(Section):
         if len(set(v)) != 3 or min(v) < 1:
             raise ValueError(f"layer ids must be distinct and >= 1 (id k is the output of decoder layer k), got {v}")
         return sorted(v)
+
+    def output_settings(self) -> dict:
+        """The settings that decide the shards, for cache keys. The rest only changes how they are made:
+        finished shards are reused by fingerprint (verifier, layers, dtype, samples) whatever the backend,
+        device, batch size, number of ranks, verification or disk reserve."""
+        return self.model_dump(exclude={"backend", "device", "batch_tokens", "tensor_parallel_size",
+                                        "gpu_memory_utilization", "workers", "reserve_disk_gb", "verify"})
 
 
 class VocabSettings(Section):
@@ -127,6 +149,11 @@ class TrainSettings(Section):
     nproc: int = Field(1, gt=0, description="Processes for DDP under torchrun (one per GPU).")
     loader_workers: int = Field(0, ge=0, description="DataLoader worker processes.")
     device: str = "auto"
+
+    def output_settings(self) -> dict:
+        """The settings that decide the draft, for fingerprints and cache keys (data loading, device
+        and logging only change how it is made)."""
+        return self.model_dump(exclude={"loader_workers", "device", "log_every", "tensorboard"})
 
 
 class ValidationSettings(Section):

@@ -27,7 +27,6 @@ import torch
 
 from tasks.extract_plan import (
     LAYERS_STORED,
-    STORAGE_DTYPE,
     ExtractError,
     ExtractionPlan,
     check_disk,
@@ -40,6 +39,7 @@ from tasks.progress import ProgressCallback, ProgressEvent
 from tasks.shard_writer import extract_shards
 from tasks.shards import (
     SHARD_FORMAT,
+    STORED_DTYPES,
     ShardError,
     fsync_dir,
     read_metadata,
@@ -47,6 +47,7 @@ from tasks.shards import (
     unchanged_since_journal,
     verify_shard,
 )
+from tasks.storage_dtype import all_finite
 from tasks.subprocess_runs import rank_worker_main, run_processes, worker_command, write_job_file
 from tasks.verifier import VerifierInfo, inspect_verifier
 
@@ -98,7 +99,7 @@ def check_shard(spec, path: Path, plan: ExtractionPlan, prepared, full: bool) ->
     if shape != [spec.tokens, LAYERS_STORED, plan.hidden_size]:
         raise ShardError(f"{spec.name} hidden_states {shape}, expected [{spec.tokens}, {LAYERS_STORED}, "
                          f"{plan.hidden_size}]")
-    if isinstance(hs, torch.Tensor) and not torch.isfinite(hs).all():
+    if isinstance(hs, torch.Tensor) and not all_finite(tensors):
         raise ShardError(f"{spec.name} holds non-finite values")
     offsets = tensors["offsets"].tolist()
     stored = tensors["input_ids"]
@@ -117,7 +118,7 @@ def write_manifest(plan: ExtractionPlan, prepared_fp: str, out_dir: Path, length
         "verifier_fingerprint": plan.verifier_fingerprint,
         "layers": plan.layers,
         "hidden_size": plan.hidden_size,
-        "dtype": str(STORAGE_DTYPE).removeprefix("torch."),
+        "dtype": STORED_DTYPES[plan.storage_dtype],
         "samples": plan.samples,
         "tokens": plan.tokens,
         "shards": [
@@ -212,7 +213,7 @@ def run_worker(job: ExtractJob, rank: int = 0, world_size: int = 1,
     prepared, verifier, layers = load_inputs(job)
     out_dir = Path(job.out_dir)
     plan = make_plan(prepared, verifier, layers, out_dir, compute_dtype=job.compute_dtype,
-                     shard_tokens=s.shard_tokens)
+                     shard_tokens=s.shard_tokens, storage_dtype=s.storage_dtype)
     mine = [spec for spec in plan.pending if spec.index % world_size == rank]
     if not mine:
         log.info("worker %d/%d: no shard to extract, verifier not loaded", rank, world_size)
@@ -246,7 +247,7 @@ def _run_extraction(job: ExtractJob, in_process: bool, callback: ProgressCallbac
         partial.unlink(missing_ok=True)
     prepared, verifier, layers = load_inputs(job)
     plan = make_plan(prepared, verifier, layers, out_dir, compute_dtype=job.compute_dtype,
-                     shard_tokens=s.shard_tokens)
+                     shard_tokens=s.shard_tokens, storage_dtype=s.storage_dtype)
     log.info("%s", plan.describe())
     if on_plan is not None:
         on_plan(plan)

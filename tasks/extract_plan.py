@@ -4,7 +4,8 @@ the disk and host memory can hold it.
 
 - Shards are cut from the prepared rows in order, so appending data adds shards and leaves the
   existing ones valid.
-- A shard's fingerprint covers the verifier, the layers, the dtypes and each sample's tokens: a
+- A shard's fingerprint covers the verifier, the layers, the compute and storage dtypes (bf16 or
+  fp8, tasks/storage_dtype.py) and each sample's tokens: a
   shard made from other inputs is never taken for this one. Existing shards are checked
   (fingerprint, checksum) and skipped; damaged ones are redone.
 """
@@ -35,12 +36,11 @@ from tasks.shards import (
     unchanged_since_journal,
     verify_shard,
 )
+from tasks.storage_dtype import STORAGE_DTYPES, bytes_per_token
 from tasks.verifier import VerifierInfo, verifier_fingerprint
 
 log = logging.getLogger(__name__)
 
-STORAGE_DTYPE = torch.bfloat16
-BYTES_PER_VALUE = 2
 LAYERS_STORED = 4  # 3 auxiliary + the last
 WRITER_BUFFERS = 3  # shards in host memory per worker: one filling, two queued or being written
 
@@ -65,15 +65,20 @@ class ExtractionPlan:
     est_seconds: float | None = None  # planned: from FLOPs, before any model loads
     measured_seconds: float | None = None  # calibrated from the first measured batches (`calibrate`)
     measured_tokens_per_s: float | None = None
+    storage_dtype: str = "bf16"  # extract.storage_dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        return bytes_per_token(self.storage_dtype, LAYERS_STORED, self.hidden_size)
 
     @property
     def bytes_total(self) -> int:
-        return self.tokens * LAYERS_STORED * self.hidden_size * BYTES_PER_VALUE
+        return self.tokens * self.bytes_per_token
 
     @property
     def host_buffer_bytes(self) -> int:
         """Host memory one worker's ShardWriter holds: its buffers, each the size of the largest shard."""
-        return WRITER_BUFFERS * max(s.tokens for s in self.shards) * LAYERS_STORED * self.hidden_size * BYTES_PER_VALUE
+        return WRITER_BUFFERS * max(s.tokens for s in self.shards) * self.bytes_per_token
 
     @property
     def pending(self) -> list[ShardSpec]:
@@ -86,7 +91,7 @@ class ExtractionPlan:
 
     @property
     def bytes_to_write(self) -> int:
-        return self.pending_tokens * LAYERS_STORED * self.hidden_size * BYTES_PER_VALUE
+        return self.pending_tokens * self.bytes_per_token
 
     def summary(self) -> dict:
         return {
@@ -97,6 +102,7 @@ class ExtractionPlan:
             "shards": len(self.shards),
             "shards_done": len(self.done),
             "tokens_to_extract": self.pending_tokens,
+            "storage_dtype": self.storage_dtype,
             "bytes_total_gb": round(self.bytes_total / 1e9, 3),
             "bytes_to_write_gb": round(self.bytes_to_write / 1e9, 3),
             "free_disk_gb": round(self.free_bytes / 1e9, 1),
@@ -131,7 +137,7 @@ class ExtractionPlan:
         return (
             f"extraction plan: {s['samples']:,} samples, {s['tokens']:,} tokens in {s['shards']} shards "
             f"({s['shards_done']} already done); layers {s['layers']} of {self.verifier}\n"
-            f"  disk: {s['bytes_total_gb']} GB in all, {s['bytes_to_write_gb']} GB to write, "
+            f"  disk ({self.storage_dtype}): {s['bytes_total_gb']} GB in all, {s['bytes_to_write_gb']} GB to write, "
             f"{s['free_disk_gb']} GB free" + (f", {s['stale_shards_gb']} GB of stale shards" if self.stale_bytes else "")
             + f"; host memory: {s['host_buffers_gb_per_worker']} GB of shard buffers per worker"
             + f"\n  estimated time for {s['tokens_to_extract']:,} tokens: {s['estimated_time']} (rough: FLOPs of the "
@@ -140,9 +146,11 @@ class ExtractionPlan:
         )
 
 
-def extraction_fingerprint(verifier_fp: str, layers: list[int], compute_dtype: str) -> str:
+def extraction_fingerprint(verifier_fp: str, layers: list[int], compute_dtype: str, storage_dtype: str = "bf16") -> str:
+    # storage dtypes enter as torch's names ("torch.bfloat16"): bf16 fingerprints are those of
+    # shards written before fp8 storage existed, which stay valid
     parts = {"format": SHARD_FORMAT, "verifier": verifier_fp, "layers": layers,
-             "compute_dtype": compute_dtype, "storage_dtype": str(STORAGE_DTYPE)}
+             "compute_dtype": compute_dtype, "storage_dtype": str(STORAGE_DTYPES[storage_dtype])}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
@@ -176,12 +184,12 @@ def plan_shards(prepared, extraction_fp: str, shard_tokens: int) -> list[ShardSp
 
 
 def make_plan(prepared, verifier: VerifierInfo, layers: list[int], out_dir: Path, *, compute_dtype: str,
-              shard_tokens: int, check_existing: bool = True) -> ExtractionPlan:
+              shard_tokens: int, storage_dtype: str = "bf16", check_existing: bool = True) -> ExtractionPlan:
     verifier_fp = verifier_fingerprint(verifier.path)
-    fp = extraction_fingerprint(verifier_fp, layers, compute_dtype)
+    fp = extraction_fingerprint(verifier_fp, layers, compute_dtype, storage_dtype)
     shards = plan_shards(prepared, fp, shard_tokens)
     plan = ExtractionPlan(fp, str(verifier.path), verifier_fp, layers, verifier.hidden_size, len(prepared),
-                          sum(s.tokens for s in shards), shards)
+                          sum(s.tokens for s in shards), shards, storage_dtype=storage_dtype)
     out_dir.mkdir(parents=True, exist_ok=True)
     plan.free_bytes = shutil.disk_usage(out_dir).free
     if check_existing:

@@ -76,9 +76,8 @@ class RegenerateReport:
 
 
 def regenerate_fingerprint(job: RegenerateJob, sources_fp: str, verifier_fp: str) -> str:
-    s = {k: v for k, v in job.settings.items() if k not in ("enabled", "backend", "chunk_size", "batch_size")}
     parts = {"format": REGENERATE_FORMAT, "sources": sources_fp, "verifier": verifier_fp, "max_rows": job.max_rows,
-             "max_seq_len": job.max_seq_len, "settings": s}
+             "max_seq_len": job.max_seq_len, "settings": job.regenerate_settings.output_settings()}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
@@ -265,8 +264,10 @@ def regeneration_job(config) -> RegenerateJob | None:
     data = config.data
     if not data.regenerate.enabled:
         return None
-    job = RegenerateJob(data.sources, data.max_rows, config.verifier.path, "", data.max_seq_len,
-                        data.regenerate.model_dump(), config.verifier.trust_remote_code)
+    settings = data.regenerate.model_dump()  # generating takes the GPUs extraction's forward takes, unless told
+    settings["tensor_parallel_size"] = settings["tensor_parallel_size"] or config.extract.tensor_parallel_size
+    job = RegenerateJob(data.sources, data.max_rows, config.verifier.path, "", data.max_seq_len, settings,
+                        config.verifier.trust_remote_code)
     fp = regenerate_fingerprint(job, sources_fingerprint(data.sources), verifier_fingerprint(config.verifier.path))
     return replace(job, out_dir=str(Path(config.output_dir) / "regenerated" / fp[:16]))
 

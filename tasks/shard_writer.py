@@ -2,7 +2,8 @@
 states assembled in host buffers and written by a background thread (format: tasks/shards.py).
 
 Device-to-host copies and file writes run on the background thread while the next batches
-compute, so the disk does not idle the accelerator (and vice versa).
+compute, so the disk does not idle the accelerator (and vice versa). With fp8 storage the states
+are quantized on the device, before the copy: half the bytes cross to the host.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from pathlib import Path
 
 import torch
 
-from tasks.extract_plan import LAYERS_STORED, STORAGE_DTYPE, WRITER_BUFFERS, ExtractError, ExtractionPlan
+from tasks.extract_plan import LAYERS_STORED, WRITER_BUFFERS, ExtractError, ExtractionPlan
 from tasks.progress import Progress, ProgressCallback
 from tasks.shards import ShardSpec, shard_journal, write_shard
+from tasks.storage_dtype import SCALE_DTYPE, SCALE_TENSOR, STORAGE_DTYPES, encode
 
 log = logging.getLogger(__name__)
 
@@ -43,15 +45,20 @@ class ShardWriter:
     time it waited is reported (`disk_wait_s`: a disk-bound extraction shows it here).
     """
 
-    def __init__(self, out_dir: Path, max_tokens: int, hidden_size: int, device: str, metadata: dict[str, str]):
+    def __init__(self, out_dir: Path, max_tokens: int, hidden_size: int, device: str, metadata: dict[str, str],
+                 storage_dtype: str = "bf16"):
         self.out_dir = out_dir
         self.metadata = metadata
+        self.storage_dtype = storage_dtype
         self.journal = shard_journal(out_dir)
         self.cuda = device.startswith("cuda")
-        shape = (max_tokens, LAYERS_STORED, hidden_size)
-        self.free: queue.Queue = queue.Queue()
+        shapes = {"hidden_states": ((max_tokens, LAYERS_STORED, hidden_size), STORAGE_DTYPES[storage_dtype])}
+        if storage_dtype == "fp8_e4m3":
+            shapes[SCALE_TENSOR] = ((max_tokens, LAYERS_STORED), SCALE_DTYPE)
+        self.free: queue.Queue = queue.Queue()  # of buffers: {tensor name: host tensor}
         for _ in range(WRITER_BUFFERS):
-            self.free.put(torch.empty(shape, dtype=STORAGE_DTYPE, pin_memory=self.cuda))
+            self.free.put({name: torch.empty(shape, dtype=dtype, pin_memory=self.cuda)
+                           for name, (shape, dtype) in shapes.items()})
         self.disk_wait_s = self.write_s = 0.0
         self.copy_stream = torch.cuda.Stream() if self.cuda else None
         self.jobs: queue.Queue = queue.Queue()
@@ -72,16 +79,18 @@ class ShardWriter:
 
     def add(self, states: torch.Tensor) -> None:
         n = states.shape[0]
-        target = self.buffer[self.cursor: self.cursor + n]
+        pieces = encode(states, self.storage_dtype)
         if self.cuda:
             self.finite = self.finite.to(states.device) & torch.isfinite(states).all()
             self.copy_stream.wait_stream(torch.cuda.current_stream(states.device))
             with torch.cuda.stream(self.copy_stream):
-                target.copy_(states, non_blocking=True)
-                states.record_stream(self.copy_stream)  # keep `states` alive until the copy ran
+                for name, piece in pieces.items():
+                    self.buffer[name][self.cursor: self.cursor + n].copy_(piece, non_blocking=True)
+                    piece.record_stream(self.copy_stream)  # keep `piece` alive until the copy ran
         else:
             self.finite &= torch.isfinite(states).all()
-            target.copy_(states)
+            for name, piece in pieces.items():
+                self.buffer[name][self.cursor: self.cursor + n].copy_(piece)
         self.cursor += n
 
     def finish(self) -> None:
@@ -103,9 +112,11 @@ class ShardWriter:
                 if not bool(finite):
                     raise ExtractError(f"shard {spec.index}: non-finite hidden states (samples {spec.sample_ids[:3]}...)")
                 lengths = torch.tensor([0] + [len(x) for x in ids])
+                scales = buffer.get(SCALE_TENSOR)
                 entry = write_shard(
-                    self.out_dir / spec.name, spec, buffer[: spec.tokens],
+                    self.out_dir / spec.name, spec, buffer["hidden_states"][: spec.tokens],
                     torch.tensor([t for x in ids for t in x], dtype=torch.int32), lengths.cumsum(0), self.metadata,
+                    scales=None if scales is None else scales[: spec.tokens],
                 )
                 self.journal.append(entry)
                 self.written.append(entry)
@@ -135,7 +146,10 @@ def extract_shards(shards: list[ShardSpec], plan: ExtractionPlan, prepared, out_
     all_ids = prepared["input_ids"]
     metadata = {"layers": json.dumps(plan.layers), "hidden_size": str(plan.hidden_size),
                 "extraction_fingerprint": plan.fingerprint, "verifier": plan.verifier}
-    writer = ShardWriter(out_dir, max(s.tokens for s in shards), plan.hidden_size, backend.device, metadata)
+    if plan.storage_dtype != "bf16":  # bf16 shards stay byte for byte what they were before fp8 storage
+        metadata["storage_dtype"] = plan.storage_dtype
+    writer = ShardWriter(out_dir, max(s.tokens for s in shards), plan.hidden_size, backend.device, metadata,
+                         plan.storage_dtype)
     progress = Progress(label, sum(s.tokens for s in shards), "tok", callback)
     try:
         for spec in shards:

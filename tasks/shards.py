@@ -4,6 +4,8 @@ A shard is one safetensors file holding many samples back to back:
 - `hidden_states` [T_total, 4, H] (bf16): the 3 auxiliary layers, then the verifier's last layer
   (pre-norm), for every token of every sample;
 - `input_ids` [T_total] (int32) and `offsets` [n + 1] (int64): sample i is rows offsets[i]:offsets[i+1].
+With `extract.storage_dtype: fp8_e4m3` the states are float8_e4m3fn with float32 scales per token
+and layer, `hidden_states_scale` [T_total, 4] (tasks/storage_dtype.py); readers get bf16 either way.
 Its `__metadata__` carries the shard's fingerprint (everything that produced it: the extraction
 settings and the identity and tokens of each sample), its sample ids and an xxh3-128 checksum of
 the tensor bytes. A shard is written to a temporary name, fsynced and renamed, so a file with a
@@ -33,9 +35,13 @@ import xxhash
 from safetensors import safe_open
 
 from tasks.journal import Journal, write_error
+from tasks.storage_dtype import SCALE_TENSOR, STORAGE_DTYPES, dequantize
 
 SHARD_FORMAT = "eagle3-hidden-states-v1"
-TENSOR_ORDER = ("hidden_states", "input_ids", "offsets")  # the order the checksum covers
+# the order the checksum covers and the file holds them; fp8 shards alone have the scales
+TENSOR_ORDER = ("hidden_states", SCALE_TENSOR, "input_ids", "offsets")
+# extract.storage_dtype -> the manifest's `dtype` (torch's name of what the shards store)
+STORED_DTYPES = {name: str(dtype).removeprefix("torch.") for name, dtype in STORAGE_DTYPES.items()}
 
 
 class ShardError(ValueError):
@@ -57,9 +63,13 @@ class ShardSpec:
         return f"shard-{self.index:06d}-{self.fingerprint[:16]}.safetensors"
 
 
+def stored(tensors) -> list[str]:
+    return [key for key in TENSOR_ORDER if key in tensors]
+
+
 def tensors_checksum(tensors: dict[str, torch.Tensor]) -> str:
     h = xxhash.xxh3_128()
-    for key in TENSOR_ORDER:
+    for key in stored(tensors):
         t = tensors[key].contiguous()
         h.update(t.view(torch.uint8).numpy())
     return h.hexdigest()
@@ -68,7 +78,7 @@ def tensors_checksum(tensors: dict[str, torch.Tensor]) -> str:
 def file_checksum(f, rows_per_read: int = 16384) -> str:
     """`tensors_checksum` of an open shard, read a slice at a time (memory stays bounded)."""
     h = xxhash.xxh3_128()
-    for key in TENSOR_ORDER:
+    for key in stored(f.keys()):
         tensor = f.get_slice(key)
         rows = tensor.get_shape()[0] if tensor.get_shape() else 0
         for start in range(0, rows, rows_per_read):
@@ -77,11 +87,13 @@ def file_checksum(f, rows_per_read: int = 16384) -> str:
 
 
 def write_shard(path: Path, spec: ShardSpec, hidden_states: torch.Tensor, input_ids: torch.Tensor,
-                offsets: torch.Tensor, extra_metadata: dict[str, str]) -> dict:
+                offsets: torch.Tensor, extra_metadata: dict[str, str], scales: torch.Tensor | None = None) -> dict:
     """Write atomically (temporary name, fsync, rename, fsync the folder); returns the journal line.
     A full disk fails with a DiskWriteError naming the folder, and no partial file stays behind."""
     tensors = {"hidden_states": hidden_states.contiguous(), "input_ids": input_ids.to(torch.int32).contiguous(),
                "offsets": offsets.to(torch.int64).contiguous()}
+    if scales is not None:
+        tensors[SCALE_TENSOR] = scales.contiguous()
     checksum = tensors_checksum(tensors)
     metadata = {
         "format": SHARD_FORMAT,
@@ -112,7 +124,8 @@ def journal_line(path: Path, checksum: str, spec: ShardSpec) -> dict:
             "fingerprint": spec.fingerprint, "tokens": spec.tokens, "samples": len(spec.rows)}
 
 
-SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.int32: "I32", torch.int64: "I64", torch.float32: "F32"}
+SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float8_e4m3fn: "F8_E4M3", torch.int32: "I32", torch.int64: "I64",
+                      torch.float32: "F32"}
 
 
 def write_safetensors(f, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
@@ -125,7 +138,7 @@ def write_safetensors(f, tensors: dict[str, torch.Tensor], metadata: dict[str, s
     """
     header: dict = {"__metadata__": metadata}
     offset = 0
-    for key in TENSOR_ORDER:
+    for key in stored(tensors):
         t = tensors[key]
         size = t.numel() * t.element_size()
         header[key] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
@@ -134,7 +147,7 @@ def write_safetensors(f, tensors: dict[str, torch.Tensor], metadata: dict[str, s
     encoded += b" " * (-len(encoded) % 8)
     f.write(len(encoded).to_bytes(8, "little"))
     f.write(encoded)
-    for key in TENSOR_ORDER:
+    for key in stored(tensors):
         f.write(memoryview(tensors[key].contiguous().view(torch.uint8).numpy()))
 
 
@@ -157,7 +170,7 @@ def read_metadata(path: Path) -> dict[str, str]:
 def load_shard(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     try:
         with safe_open(str(path), "pt") as f:
-            return {k: f.get_tensor(k) for k in TENSOR_ORDER}, f.metadata() or {}
+            return {k: f.get_tensor(k) for k in stored(f.keys())}, f.metadata() or {}
     except Exception as e:
         raise ShardError(f"{path.name}: unreadable safetensors file ({e})") from None
 
@@ -196,6 +209,8 @@ def read_manifest(path: str | Path) -> dict:
         manifest = json.loads(path.read_bytes())
         if not isinstance(manifest, dict) or manifest.get("format") != SHARD_FORMAT:
             raise ValueError(f"not a {SHARD_FORMAT} manifest")
+        if manifest.get("dtype", "bfloat16") not in STORED_DTYPES.values():
+            raise ValueError(f"dtype {manifest['dtype']!r} is none of {', '.join(STORED_DTYPES.values())}")
         for shard in manifest["shards"]:
             if not all(shard[k] is not None for k in ("name", "fingerprint", "checksum")):
                 raise ValueError(f"shard entry without a name, fingerprint or checksum: {shard.get('name')}")
@@ -209,11 +224,12 @@ def read_manifest(path: str | Path) -> dict:
 
 class ShardReader:
     """Random access to samples across a manifest's shards (memory-mapped, nothing preloaded).
+    Samples come as bf16 whatever the shards store: fp8 states are dequantized here.
 
     No byte of a shard is used before the shard was checked against the manifest (`verify`):
     it is the file the manifest lists (its fingerprint), undamaged (every byte against the
-    checksum) and shaped as listed. That costs one read of each shard per process; a file
-    changed on disk since (size, mtime or inode) is checked again when next opened."""
+    checksum) and shaped and typed as listed. That costs one read of each shard per process; a
+    file changed on disk since (size, mtime or inode) is checked again when next opened."""
 
     def __init__(self, manifest_path: str | Path):
         self.manifest_path = Path(manifest_path)
@@ -226,6 +242,7 @@ class ShardReader:
             self.index.extend((s, i) for i in range(len(shard["sample_ids"])))
             self.sample_ids.extend(shard["sample_ids"])
             self.lengths.extend(shard["lengths"])
+        self.dtype = self.manifest.get("dtype", "bfloat16")  # what the shards store
         self._files: dict[int, object] = {}
         self._offsets: dict[int, list[int]] = {}
         self.verified: dict[int, tuple[int, int, int]] = {}  # shard number -> (size, mtime_ns, inode) checked
@@ -252,6 +269,7 @@ class ShardReader:
             with safe_open(str(path), "pt") as f:
                 meta = f.metadata() or {}
                 shape = f.get_slice("hidden_states").get_shape()
+                stored_as = f.get_slice("hidden_states").get_dtype()
                 checksum = file_checksum(f) if meta.get("fingerprint") == listed["fingerprint"] else None
         except Exception as e:  # a truncated or foreign file fails to parse
             raise ShardError(f"{where} is unreadable ({e})") from None
@@ -263,6 +281,9 @@ class ShardReader:
         expected = [sum(listed["lengths"]), len(self.manifest["layers"]), self.manifest["hidden_size"]]
         if shape != expected:
             raise ShardError(f"{where} holds hidden_states {shape}, the manifest expects {expected}")
+        if stored_as != SAFETENSORS_DTYPES[getattr(torch, self.dtype)]:
+            raise ShardError(f"{where} stores {stored_as} hidden states, {self.manifest_path.name} says "
+                             f"{self.dtype}: the shard is not this extraction's")
         return stat.st_size, stat.st_mtime_ns, stat.st_ino
 
     def _open(self, s: int):
@@ -281,7 +302,10 @@ class ShardReader:
         s, j = self.index[i]
         f, offsets = self._open(s)
         a, b = offsets[j], offsets[j + 1]
-        return f.get_slice("input_ids")[a:b].long(), f.get_slice("hidden_states")[a:b]
+        states = f.get_slice("hidden_states")[a:b]
+        if self.dtype == "float8_e4m3fn":
+            states = dequantize(states, f.get_slice(SCALE_TENSOR)[a:b])
+        return f.get_slice("input_ids")[a:b].long(), states
 
     def __getstate__(self):  # DataLoader workers reopen the files themselves (what was verified stays verified)
         state = self.__dict__.copy()

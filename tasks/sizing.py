@@ -89,7 +89,7 @@ def size_run(config: PipelineConfig, gpu_tflops: float = H100_BF16_TFLOPS) -> Ru
     # the plan's estimate for this machine takes the parameter count from the weights' bytes
     sized = replace(verifier, weight_bytes=2 * parameters) if not verifier.weight_bytes else verifier
     plan = make_plan(load_prepared(prepared.path), sized, layers, out_dir, compute_dtype=config.verifier.dtype,
-                     shard_tokens=config.extract.shard_tokens)
+                     shard_tokens=config.extract.shard_tokens, storage_dtype=config.extract.storage_dtype)
     problems = []
     for check in (lambda: check_disk(plan, out_dir, config.extract.reserve_disk_gb),
                   lambda: check_host_memory(plan, config.extract.workers) if plan.pending else None):

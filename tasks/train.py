@@ -102,8 +102,10 @@ class TrainResult:
 
 
 def train_fingerprint(manifest_fp: str, vocab_fp: str, settings: dict) -> str:
-    relevant = {k: v for k, v in settings.items() if k not in ("loader_workers", "device", "log_every", "tensorboard")}
-    parts = {"format": TRAIN_FORMAT, "data": manifest_fp, "vocab": vocab_fp, "settings": relevant}
+    from tasks.config import TrainSettings
+
+    parts = {"format": TRAIN_FORMAT, "data": manifest_fp, "vocab": vocab_fp,
+             "settings": TrainSettings.model_validate(settings).output_settings()}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 

@@ -34,10 +34,7 @@ def small_config(out: Path, data: Path, /, **sections) -> PipelineConfig:
 
 
 def task_states(flow_run_id) -> dict[str, tuple[str, int]]:
-    """{task name: (state name, run count)} of a flow run, read back from the Prefect API."""
-    from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    """{task name: (state name, run count)} of a flow run, once the Prefect server recorded them."""
+    from flows.cli import recorded_task_runs
 
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-    return {r.name.rsplit("-", 1)[0]: (r.state.name, r.run_count) for r in runs}
+    return {r.name.rsplit("-", 1)[0]: (r.state.name, r.run_count) for r in recorded_task_runs(flow_run_id)}

@@ -183,7 +183,8 @@ def test_garbage_or_truncated_manifest_is_a_clear_error_and_a_rerun_rewrites_it(
     shutil.copytree(ref_dir, tmp_path, dirs_exist_ok=True)
     manifest = tmp_path / Path(ref_result.manifest).name
     good = manifest.read_bytes()
-    for damaged in (bytes(range(256)) * 4, good[: len(good) // 2], b"[1, 2]"):
+    unknown_dtype = json.dumps({**json.loads(good), "dtype": "int8"}).encode()
+    for damaged in (bytes(range(256)) * 4, good[: len(good) // 2], b"[1, 2]", unknown_dtype):
         manifest.write_bytes(damaged)
         with pytest.raises(ShardError, match=f"manifest {manifest} is damaged"):
             ShardReader(manifest)

@@ -303,3 +303,21 @@ def test_journal_skips_a_torn_last_line_and_discards_a_damaged_file(tmp_path):
         other = tmp_path / "parts" / "other-1.jsonl"
         other.write_bytes(damage + b'{"id": "c3", "messages": []}\n')
         assert sorted(parts.entries()) == ["c0", "c1"] and not other.exists()  # discarded: c3 is redone
+
+
+def test_regeneration_generates_on_the_gpus_extraction_uses_unless_told(smollm2, sharegpt, tmp_path):
+    """A verifier that needs tensor parallelism to extract needs it to generate (a Kimi-class preset
+    sets it once, under extract); how many GPUs generate does not change the answers' folder."""
+    from tasks.config import PipelineConfig
+    from tasks.regenerate import regeneration_job
+
+    def job(regenerate: dict):
+        return regeneration_job(PipelineConfig.model_validate({
+            "name": "t", "output_dir": str(tmp_path), "verifier": {"path": smollm2},
+            "data": {"sources": [sharegpt], "regenerate": {"enabled": True, **regenerate}},
+            "extract": {"tensor_parallel_size": 4}}))
+
+    inherited, told = job({}), job({"tensor_parallel_size": 2})
+    assert inherited.regenerate_settings.tensor_parallel_size == 4
+    assert told.regenerate_settings.tensor_parallel_size == 2
+    assert inherited.out_dir == told.out_dir

@@ -146,12 +146,15 @@ def test_training_across_two_nodes_follows_one_process_over_the_same_global_batc
 
 
 def test_the_same_run_on_the_local_executor_is_all_cached(ray_run, workspace):
-    """The cache keys do not depend on the executor nor on the number of ranks and nodes."""
+    """The cache keys do not depend on the executor, the number of ranks and nodes, nor on settings
+    that only change how the outputs are made."""
     from flows.pipeline import eagle3_pipeline
 
     root, data = workspace
     config, _, _ = ray_run
-    local = small_config(root / "out", data, train=TRAIN, extract={"workers": 2})
+    how = {"workers": 2, "verify": "quick", "reserve_disk_gb": 0.5, "batch_tokens": 2048}
+    assert all(getattr(config.extract, k) != v for k, v in how.items())
+    local = small_config(root / "out", data, train={**TRAIN, "loader_workers": 1, "log_every": 3}, extract=how)
     assert local.cluster.executor == "local" and config.cluster.executor == "ray"
     _, states, _ = run_flow(eagle3_pipeline, local)
     assert {name: state for name, (state, _) in states.items()} == {
@@ -176,9 +179,10 @@ def test_regeneration_by_two_ranks_writes_the_conversations_one_local_run_writes
     local = regenerate(replace(job, out_dir=str(root / "regen-local")), in_process=True)
     assert (out / "conversations.jsonl").read_bytes() == local.read_bytes()
     assert read_report(prepared.path)["rows_read"] == report["regenerated"] > 0  # prepare read them
-    # the same prepare on the local executor: a cache hit
+    # the same prepare on the local executor, in other chunks and batches: a cache hit
+    made_otherwise = {**regeneration, "regenerate": {**regeneration["regenerate"], "chunk_size": 4, "batch_size": 3}}
     _, local_states, _ = run_flow(first_stages_flow(extract=False), small_config(root / "regen", data,
-                                                                                 data=regeneration))
+                                                                                 data=made_otherwise))
     assert {name: state for name, (state, _) in local_states.items()} == {"prepare": "Cached"}
 
 

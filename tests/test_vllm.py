@@ -128,6 +128,27 @@ def test_regeneration_rewrites_answers_with_the_verifier_and_resumes(smollm2, sh
     assert messages[first_answer]["content"] == expected
 
 
+def test_regeneration_attention_generates_what_transformers_sdpa_does(smollm2):
+    """The generator's decoding attention (KV heads read once, tasks/decode_attention.py) on
+    left-padded batches over two KV cache sizes: the same greedy answers as transformers' SDPA."""
+    from transformers import AutoTokenizer
+
+    from tasks.generators import TransformersGenerator
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    questions = ["Hi", "What is the capital of France?", "Write a haiku about autumn leaves falling.",
+                 "Explain " + "why the sky is blue and " * 60 + "why sunsets are red."]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                             tokenize=True)["input_ids"] for q in questions]
+    settings = RegenerateSettings(max_new_tokens=16, batch_size=2)  # two batches, each with padding
+    folded = TransformersGenerator(smollm2, tokenizer, settings, 1024, False)
+    sdpa = TransformersGenerator(smollm2, tokenizer, settings, 1024, False, attention="sdpa")
+    assert folded.model.config._attn_implementation == "sdpa_folded_gqa"
+    assert len({folded.cache_positions(len(p)) for p in prompts}) == 2
+    answers = folded(prompts)
+    assert all(answers) and answers == sdpa(prompts)
+
+
 def test_regeneration_with_vllm(smollm2, sharegpt, tmp_path):
     settings = RegenerateSettings(enabled=True, backend="vllm", max_new_tokens=24, chunk_size=2, max_turns=1).model_dump()
     output = regenerate(RegenerateJob([sharegpt], 3, smollm2, str(tmp_path), 384, settings))
