@@ -16,6 +16,8 @@ run's own draft: the held-out validation curve (simulated acceptance length with
 from the training's own validation log, whatever its ttt_steps) and the final draft's simulated
 acceptance length on the verifier's greedy answers to the MT-Bench first turns. With --return, the
 run's draft is also written to OUT in files under 16 MiB for bench/validate_returned_draft.py.
+Started while the run still trains (its job.json is written when training starts), the variants train
+alongside it and the run's draft is scored once its training has written result.json.
 """
 
 from __future__ import annotations
@@ -115,24 +117,32 @@ def main() -> None:
         scoring = mtbench_set(run.verifier_path, a.mtbench, a.work, 2048, a.answer_tokens)
         variants = {name: f.result() for name, f in futures.items()}
     variants_s = round(time.perf_counter() - t0, 1)
-
-    results = {"run": {"settings": run.settings, "validation_curve": validation_curve(a.train_dir),
-                       **score(a.train_dir / "draft", scoring)}}
-    for name, v in variants.items():
-        results[name] = {**v, **score(Path(v.pop("draft")), scoring)}
     summary = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                "torch": torch.__version__, "steps": a.steps, "variants_wall_s": variants_s,
-               "mtbench_answers": scoring[0].rows, "results": results}
+               "mtbench_answers": scoring[0].rows,
+               "results": {name: {**v, **score(Path(v.pop("draft")), scoring)} for name, v in variants.items()}}
+    report(summary, a.out)  # the variants' figures are safe before waiting for the run
+
+    while not (a.train_dir / "result.json").exists():
+        logging.info("waiting for the run's training to finish (%s)", a.train_dir / "result.json")
+        time.sleep(15)
+    summary["results"] = {"run": {"settings": run.settings, "validation_curve": validation_curve(a.train_dir),
+                                  **score(a.train_dir / "draft", scoring)}, **summary["results"]}
     if a.return_draft:
         summary["draft_parts"] = split_for_return(a.train_dir / "draft", a.out)
         (a.out / "acceptance.json").write_text(json.dumps(  # what bench/validate_returned_draft.py reads
-            {"ours": {"simulated_acceptance_length": results["run"]["mtbench_simulated_acceptance_length"]}}))
-    (a.out / "recipe.json").write_text(json.dumps(summary, indent=1))
-    print(f"{'variant':<12} {'MT-Bench sim tau':>16} {'replayed':>9}  validation curve (step: tau, k={K})")
-    for name, r in results.items():
+            {"ours": {"simulated_acceptance_length": summary["results"]["run"]["mtbench_simulated_acceptance_length"]}}))
+    report(summary, a.out)
+
+
+def report(summary: dict, out: Path) -> None:
+    """Write OUT/recipe.json and print one line per variant."""
+    (out / "recipe.json").write_text(json.dumps(summary, indent=1))
+    print(f"{'variant':<12} {'MT-Bench sim tau':>16} {'replayed':>9}  validation curve (step: tau, k={K})", flush=True)
+    for name, r in summary["results"].items():
         curve = ", ".join(f"{s}: {t:.3f}" for s, t in r["validation_curve"][-6:])
         print(f"{name:<12} {r['mtbench_simulated_acceptance_length']:>16.4f} "
-              f"{r['mtbench_replayed_acceptance_length']:>9.4f}  {curve}")
+              f"{r['mtbench_replayed_acceptance_length']:>9.4f}  {curve}", flush=True)
 
 
 if __name__ == "__main__":

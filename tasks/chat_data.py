@@ -144,8 +144,8 @@ class Conversation:
 
 def read_conversation(row: dict) -> Conversation | Dropped:
     """A row as messages {"role": system|user|assistant|tool, "content": str}, an assistant
-    message's `tool_calls` and a tool message's `tool_call_id`/`name` kept (OpenAI's format), or
-    why it cannot be used.
+    message's `tool_calls` and a tool message's `tool_call_id`/`name` kept (OpenAI's format), an
+    assistant message's `unfinished: true` kept (tasks/regenerate.py), or why it cannot be used.
 
     - Turns before the first user turn that are not system turns are removed (ShareGPT splits long
       chats, so many rows start mid-conversation with an answer to a question they no longer hold).
@@ -174,6 +174,8 @@ def read_conversation(row: dict) -> Conversation | Dropped:
         message = {"role": role, "content": content}
         if role == "assistant" and isinstance(turn.get("tool_calls"), list) and turn["tool_calls"]:
             message["tool_calls"] = turn["tool_calls"]
+        if role == "assistant" and turn.get("unfinished") is True:  # regeneration cut it at its token limit
+            message["unfinished"] = True
         if role == "tool":
             message |= {k: turn[k] for k in ("tool_call_id", "name") if isinstance(turn.get(k), str)}
         if not content.strip() and "tool_calls" not in message and role != "tool":

@@ -85,7 +85,9 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_seq_len: int,
                           end_of_turn: frozenset[int] = frozenset()) -> tuple[list[int], list[int], bool] | Dropped:
     """(input_ids, loss_mask, truncated) for one conversation, or why it cannot be used. A token
     of `end_of_turn` right after an assistant text is supervised too: the verifier emits it at the
-    end of every answer, and a draft that predicts it gets that token accepted."""
+    end of every answer, and a draft that predicts it gets that token accepted; not after an answer
+    marked `unfinished` (regeneration cut it at its token limit: the template closes the turn there,
+    the verifier did not)."""
     try:
         messages = for_template(tokenizer, messages)
         text = tokenizer.apply_chat_template(messages, tokenize=False)
@@ -94,7 +96,7 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_seq_len: int,
         return Dropped("template_error", str(e)[:200])
     if isinstance(located, Dropped):
         return located
-    spans, contents = located
+    spans, contents, finished = located
     if not spans:
         return Dropped("no_supervised_tokens")
     input_ids, offsets = tokenize_rendering(tokenizer, text, contents)
@@ -111,9 +113,9 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_seq_len: int,
             loss_mask[i] = 1
     if end_of_turn:
         starts = [a for a, _ in offsets]
-        for _, end in spans:
+        for (_, end), closed_by_verifier in zip(spans, finished, strict=True):
             i = bisect.bisect_left(starts, end)  # the first token after the answer
-            if i < len(input_ids) and input_ids[i] in end_of_turn:
+            if closed_by_verifier and i < len(input_ids) and input_ids[i] in end_of_turn:
                 loss_mask[i] = 1
     truncated = len(input_ids) > max_seq_len
     input_ids, loss_mask = input_ids[:max_seq_len], loss_mask[:max_seq_len]
@@ -123,10 +125,10 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_seq_len: int,
 
 
 def locate_texts(tokenizer, messages: list[dict], text: str
-                 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]] | Dropped:
+                 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[bool]] | Dropped:
     """Character spans inside the rendered conversation: (the assistant's own texts, every
-    message's text as found)."""
-    spans, contents = [], []
+    message's text as found, whether each assistant text is a finished answer)."""
+    spans, contents, finished = [], [], []
     cursor = 0
     for j, message in enumerate(messages):
         assistant = message["role"] == "assistant"
@@ -149,9 +151,10 @@ def locate_texts(tokenizer, messages: list[dict], text: str
             continue  # a text the template rewrites does not matter for the mask
         if assistant and own.strip():
             spans.append((idx, idx + len(own)))
+            finished.append(not message.get("unfinished"))
         contents.append((idx, idx + len(content)))
         cursor = idx + len(content)
-    return spans, contents
+    return spans, contents, finished
 
 
 def special_token_pattern(tokenizer) -> re.Pattern | None:

@@ -1,6 +1,7 @@
 """The generators answer regeneration uses (tasks/regenerate.py): vLLM where it imports, transformers
-`generate` everywhere else. Each is called with a batch of token-id prompts and returns the
-generated token ids of each."""
+`generate` everywhere else. Each is called with a batch of token-id prompts, and optionally each
+prompt's own limit of new tokens (at most the settings' max_new_tokens), and returns the generated
+token ids of each."""
 
 from __future__ import annotations
 
@@ -63,12 +64,13 @@ class TransformersGenerator:
             bucket *= 2
         return min(bucket, self.max_prompt_len) + self.settings.max_new_tokens
 
-    def __call__(self, prompts: list[list[int]]) -> list[list[int]]:
+    def __call__(self, prompts: list[list[int]], limits: list[int] | None = None) -> list[list[int]]:
         from transformers import StaticCache
 
         torch = self.torch
         if not prompts:
             return []
+        limits = [min(n, self.settings.max_new_tokens) for n in limits or [self.settings.max_new_tokens] * len(prompts)]
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
         outputs: list[list[int]] = [[] for _ in prompts]
         device = self.model.get_input_embeddings().weight.device
@@ -78,7 +80,8 @@ class TransformersGenerator:
         # compiled once per cache length; on a CPU nothing is compiled and small calls stay small.
         rows = self.rows if self.cuda else min(self.rows, len(prompts))
         for start in range(0, len(order), rows):
-            batch = [prompts[i] for i in order[start: start + rows]]
+            rows_here = order[start: start + rows]
+            batch = [prompts[i] for i in rows_here]
             batch += [batch[-1]] * (rows - len(batch))
             width = max(map(len, batch))
             # One cache object per shape for the whole run: CUDA graphs are recorded against its memory.
@@ -94,9 +97,9 @@ class TransformersGenerator:
                 cache.reset()
                 out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
                                           pad_token_id=self.pad, past_key_values=cache,
-                                          max_new_tokens=self.settings.max_new_tokens, **sampling)
-            for i, row in zip(order[start: start + rows], out[:, width:].tolist(), strict=False):
-                outputs[i] = [t for t in row if t != self.pad]
+                                          max_new_tokens=max(limits[i] for i in rows_here), **sampling)
+            for i, row in zip(rows_here, out[:, width:].tolist(), strict=False):
+                outputs[i] = [t for t in row if t != self.pad][: limits[i]]
         return outputs
 
 
@@ -105,7 +108,7 @@ class VllmGenerator:
 
     def __init__(self, verifier_path: str, settings, max_model_len: int, trust_remote_code: bool):
         import torch
-        from vllm import LLM, SamplingParams
+        from vllm import LLM
 
         on_cpu = not torch.cuda.is_available()
         if on_cpu:
@@ -113,12 +116,15 @@ class VllmGenerator:
         self.llm = LLM(model=verifier_path, dtype="bfloat16", seed=0, enforce_eager=on_cpu,
                        tensor_parallel_size=settings.tensor_parallel_size or 1,
                        max_model_len=max_model_len, trust_remote_code=trust_remote_code)
-        self.sampling = SamplingParams(temperature=settings.temperature, max_tokens=settings.max_new_tokens, seed=0)
+        self.settings = settings
 
-    def __call__(self, prompts: list[list[int]]) -> list[list[int]]:
-        from vllm import TokensPrompt
+    def __call__(self, prompts: list[list[int]], limits: list[int] | None = None) -> list[list[int]]:
+        from vllm import SamplingParams, TokensPrompt
 
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], self.sampling, use_tqdm=False)
+        s = self.settings
+        sampling = [SamplingParams(temperature=s.temperature, max_tokens=min(n, s.max_new_tokens), seed=0)
+                    for n in limits or [s.max_new_tokens] * len(prompts)]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outputs]
 
 

@@ -3,7 +3,9 @@ drafts: the draft learns what the verifier says, not what another model said).
 
 Turn by turn: assistant turn j of every conversation in a chunk is generated from the
 regenerated conversation so far, all conversations batched together. Once a conversation's
-prompt passes `max_seq_len`, its remaining turns are cut (prepare would truncate them anyway).
+prompt passes `max_seq_len`, its remaining turns are cut (prepare would truncate them anyway), and no
+answer is generated much past what `max_seq_len` keeps of it: a later turn's long prompt leaves
+its answer little room, and decoding tokens that prepare throws away would cost the most there.
 Failures (a prompt that no longer fits, an empty answer) are counted by reason and the
 conversation left out. vLLM generates where it imports (in a subprocess); transformers
 `generate` everywhere else (tasks/generators.py).
@@ -36,7 +38,9 @@ from tasks.subprocess_runs import rank_worker_main, run_processes, worker_comman
 
 log = logging.getLogger(__name__)
 
-REGENERATE_FORMAT = "regenerate-v2"  # v2: part files per process, merged in source order
+# v2: part files per process, merged in source order; v3: answers no longer than what max_seq_len keeps
+REGENERATE_FORMAT = "regenerate-v3"
+OVERRUN = 16  # tokens generated past max_seq_len (re-tokenizing decoded text can shorten it by a few)
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,7 @@ class RegenerateReport:
     regenerated: int = 0
     failed: dict[str, int] = field(default_factory=dict)
     assistant_turns: int = 0
+    unfinished: int = 0  # answers cut at their token limit (max_new_tokens, or what max_seq_len keeps)
     generated_tokens: int = 0
     generate_s: float = 0.0  # time inside the generator, the first chunk's compilation and warm-up included
     first_chunk_s: float = 0.0  # the first chunk of this attempt (model load excluded), apart
@@ -82,17 +87,19 @@ def regenerate_fingerprint(job: RegenerateJob, sources_fp: str, verifier_fp: str
 
 
 def regenerate_chunk(conversations: list[tuple[str, list[dict]]], generate, tokenizer, max_seq_len: int,
-                     report: RegenerateReport, max_turns: int | None = None
+                     report: RegenerateReport, settings, stops: frozenset[int] = frozenset()
                      ) -> tuple[list[tuple[str, list[dict]]], dict[str, str]]:
     """The conversations with their assistant turns rewritten, turn by turn across the chunk (at
-    most `max_turns` of them; later turns are dropped), and {row id: reason} of those that failed."""
+    most `settings.max_turns` of them; later turns are dropped), and {row id: reason} of those that
+    failed. An answer cut at its token limit (it did not end with one of `stops`) is marked
+    `unfinished`: prepare then supervises no end-of-turn after it."""
     done: dict[str, list[dict]] = {row_id: [] for row_id, _ in conversations}
     pending = {row_id: list(messages) for row_id, messages in conversations}
     failed: dict[str, str] = {}
     while pending:
         batch, prompts = [], []
         for row_id, rest in list(pending.items()):
-            if max_turns and sum(m["role"] == "assistant" for m in done[row_id]) >= max_turns:
+            if settings.max_turns and sum(m["role"] == "assistant" for m in done[row_id]) >= settings.max_turns:
                 del pending[row_id]  # the conversation ends with its last regenerated answer
                 continue
             # copy the turns before the next assistant turn; the assistant turn itself is regenerated
@@ -112,9 +119,12 @@ def regenerate_chunk(conversations: list[tuple[str, list[dict]]], generate, toke
         if not batch:
             break
         t0 = time.monotonic()
-        outputs = generate(prompts)
+        # no answer longer than what prepare keeps of it (max_seq_len, and OVERRUN tokens more so that
+        # the re-tokenized text still fills max_seq_len)
+        limits = [min(settings.max_new_tokens, max_seq_len - len(p) + OVERRUN) for p in prompts]
+        outputs = generate(prompts, limits)
         report.generate_s += time.monotonic() - t0
-        for row_id, tokens in zip(batch, outputs, strict=True):
+        for row_id, tokens, limit in zip(batch, outputs, limits, strict=True):
             text = tokenizer.decode(tokens, skip_special_tokens=True).strip()
             pending[row_id].pop(0)
             report.generated_tokens += len(tokens)
@@ -122,7 +132,11 @@ def regenerate_chunk(conversations: list[tuple[str, list[dict]]], generate, toke
                 failed[row_id] = "empty_generation"
                 del pending[row_id]
                 continue
-            done[row_id].append({"role": "assistant", "content": text})
+            answer = {"role": "assistant", "content": text}
+            if len(tokens) >= limit and tokens[-1] not in stops:
+                answer["unfinished"] = True
+                report.unfinished += 1
+            done[row_id].append(answer)
             report.assistant_turns += 1
     for row_id, messages in done.items():
         if row_id not in failed and not any(m["role"] == "assistant" for m in messages):
@@ -173,6 +187,7 @@ def regenerate_rank(job: RegenerateJob, rank: int = 0, world_size: int = 1,
     from transformers import AutoTokenizer
 
     from tasks.generators import make_generator
+    from tasks.prepare import end_of_turn_ids
 
     s = job.regenerate_settings
     out_dir = Path(job.out_dir)
@@ -182,11 +197,12 @@ def regenerate_rank(job: RegenerateJob, rank: int = 0, world_size: int = 1,
     if chunks:
         tokenizer = AutoTokenizer.from_pretrained(job.verifier_path)
         generate = make_generator(job, tokenizer)
+        stops = end_of_turn_ids(job.verifier_path, tokenizer)  # what ends an answer the verifier finished
         report.backend = generate.name
         parts = written(out_dir)
         progress = Progress("regenerate", report.conversations, "conversation", callback)
         for i, chunk in enumerate(chunks):
-            finished, failed = regenerate_chunk(chunk, generate, tokenizer, job.max_seq_len, report, s.max_turns)
+            finished, failed = regenerate_chunk(chunk, generate, tokenizer, job.max_seq_len, report, s, stops)
             parts.append(*[{"id": row_id, "messages": m} for row_id, m in finished],
                          *[{"id": row_id, "reason": reason} for row_id, reason in failed.items()])
             report.regenerated += len(finished)
@@ -195,10 +211,11 @@ def regenerate_rank(job: RegenerateJob, rank: int = 0, world_size: int = 1,
             progress.update(len(chunk), note=f"{report.generated_tokens / max(report.generate_s, 1e-9):,.0f} "
                                              "generated tok/s")
         progress.close()
-    log.info("rank %d of %d: regenerated %d of %d conversations with %s (%d assistant turns, %d tokens in %.0f s of "
-             "generation; steady state after the first chunk: %s generated tokens/s); failed %s", rank, world_size,
-             report.regenerated, report.conversations, report.backend or "nothing new", report.assistant_turns,
-             report.generated_tokens, report.generate_s, report.steady_tokens_per_s or "n/a", report.failed or "none")
+    log.info("rank %d of %d: regenerated %d of %d conversations with %s (%d assistant turns, %d of them cut at their "
+             "token limit; %d tokens in %.0f s of generation; steady state after the first chunk: %s generated "
+             "tokens/s); failed %s", rank, world_size, report.regenerated, report.conversations,
+             report.backend or "nothing new", report.assistant_turns, report.unfinished, report.generated_tokens,
+             report.generate_s, report.steady_tokens_per_s or "n/a", report.failed or "none")
     path = rank_report_path(out_dir, rank, world_size)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({**asdict(report), "steady_tokens_per_s": report.steady_tokens_per_s}))
@@ -226,7 +243,7 @@ def write_regenerated(job: RegenerateJob, world_size: int = 1) -> Path:
     report = {"conversations": len(rows), "regenerated": len(finished),
               "failed": dict(Counter(dropped) + Counter(r["reason"] for r in ordered if "reason" in r)),
               "backend": next((r["backend"] for r in ranks if r["backend"]), ""),
-              **{k: sum(r[k] for r in ranks) for k in ("assistant_turns", "generated_tokens", "generate_s")},
+              **{k: sum(r[k] for r in ranks) for k in ("assistant_turns", "unfinished", "generated_tokens", "generate_s")},
               "steady_tokens_per_s": round(sum(steady), 1) if steady else None,  # the ranks run side by side
               "ranks": ranks}
     (out_dir / "report.json").write_text(json.dumps(report, indent=1))

@@ -149,6 +149,54 @@ def test_regeneration_attention_generates_what_transformers_sdpa_does(smollm2):
     assert all(answers) and answers == sdpa(prompts)
 
 
+def test_regeneration_generates_no_more_than_prepare_keeps_and_marks_cut_answers(smollm2, tmp_path):
+    """An answer gets at most what max_seq_len leaves after its prompt (and a small overrun), cut
+    as a prefix of its unlimited greedy answer; answers cut at their limit are marked unfinished and
+    prepare supervises no end-of-turn after them, while a finished answer's end-of-turn stays supervised."""
+    from transformers import AutoTokenizer
+
+    from tasks.generators import TransformersGenerator
+    from tasks.regenerate import OVERRUN
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    questions = {"long": "Here are my notes: " + "the river flows past the old mill and " * 12 +
+                 "Now write a detailed essay about the history of Rome.",
+                 "essay": "Write a detailed essay about the history of Rome.",
+                 "yes": "Reply with only the word yes."}
+    prompts = {k: tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                tokenize=True)["input_ids"] for k, q in questions.items()}
+    max_seq_len, max_new_tokens = len(prompts["long"]) + 8, 40  # the long prompt leaves room for 8 tokens
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
+                                                     {"role": "assistant", "content": "(to be regenerated)"}]}) + "\n"
+                            for q in questions.values()))
+    settings = RegenerateSettings(enabled=True, backend="transformers", max_new_tokens=max_new_tokens, batch_size=1)
+    output = regenerate(RegenerateJob([str(data)], None, smollm2, str(tmp_path / "regen"), max_seq_len,
+                                      settings.model_dump()), in_process=True)
+    answers = {k: json.loads(line)["messages"][-1] for k, line in zip(questions, output.read_text().splitlines(),
+                                                                         strict=True)}
+
+    unlimited = TransformersGenerator(smollm2, tokenizer, settings, max_seq_len, False)(list(prompts.values()))
+    full = dict(zip(questions, unlimited, strict=True))
+    limit = 8 + OVERRUN
+    assert len(full["long"]) > limit and len(full["essay"]) == max_new_tokens  # the limits did cut these two
+    assert answers["long"]["content"] == tokenizer.decode(full["long"][:limit], skip_special_tokens=True).strip()
+    assert answers["essay"]["content"] == tokenizer.decode(full["essay"], skip_special_tokens=True).strip()
+    assert answers["long"]["unfinished"] and answers["essay"]["unfinished"] and "unfinished" not in answers["yes"]
+    assert json.loads((tmp_path / "regen" / "report.json").read_text())["unfinished"] == 2
+
+    prepared = load_prepared(prepare(smollm2, [str(output)], tmp_path / "prep", max_seq_len=max_seq_len,
+                                     supervise_end_of_turn=True).path)
+    rows = {k: prepared[i] for i, k in enumerate(questions)}
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert len(rows["long"]["input_ids"]) == max_seq_len  # the cut answer still fills what is kept
+
+    def supervised_end_of_turn(row):
+        return [m for t, m in zip(row["input_ids"], row["loss_mask"], strict=True)
+                if t == im_end][-1]  # the end-of-turn closing the answer
+    assert supervised_end_of_turn(rows["essay"]) == 0 and supervised_end_of_turn(rows["yes"]) == 1
+
+
 def test_regeneration_with_vllm(smollm2, sharegpt, tmp_path):
     settings = RegenerateSettings(enabled=True, backend="vllm", max_new_tokens=24, chunk_size=2, max_turns=1).model_dump()
     output = regenerate(RegenerateJob([sharegpt], 3, smollm2, str(tmp_path), 384, settings))
