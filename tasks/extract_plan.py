@@ -25,7 +25,7 @@ import torch
 import xxhash
 
 from tasks.errors import PermanentError
-from tasks.progress import format_seconds
+from tasks.progress import format_bytes, format_seconds
 from tasks.shards import (
     SHARD_FORMAT,
     ShardError,
@@ -249,9 +249,9 @@ def estimate_seconds(verifier: VerifierInfo, tokens: int, compute_dtype: str) ->
 def check_disk(plan: ExtractionPlan, out_dir: Path, reserve_gb: float) -> None:
     if plan.free_bytes < plan.bytes_to_write + reserve_gb * 1e9:
         raise ExtractError(
-            f"not enough disk in {out_dir}: {plan.bytes_to_write / 1e9:.1f} GB to write + {reserve_gb} GB "
-            f"reserve > {plan.free_bytes / 1e9:.1f} GB free"
-            + (f" ({plan.stale_bytes / 1e9:.1f} GB are shards of other inputs: `eagle3-pipeline prune-shards "
+            f"not enough disk in {out_dir}: {format_bytes(plan.bytes_to_write)} to write + "
+            f"{format_bytes(reserve_gb * 1e9)} reserve > {format_bytes(plan.free_bytes)} free"
+            + (f" ({format_bytes(plan.stale_bytes)} are shards of other inputs: `eagle3-pipeline prune-shards "
                f"{out_dir}` frees them)" if plan.stale_bytes else "")
         )
 

@@ -55,6 +55,11 @@ def format_seconds(s: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
+def format_bytes(n: float) -> str:
+    """GB, or MB below 1 GB (a small run's sizes would all read "0.0 GB")."""
+    return f"{n / 1e9:,.1f} GB" if n >= 1e9 else f"{n / 1e6:,.1f} MB"
+
+
 class Progress:
     def __init__(self, stage: str, total: float, unit: str, callback: ProgressCallback | None = None,
                  log_every_s: float = 10.0, done: float = 0.0):
