@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"eagle3-pipeline: running '{config.name}' -> {output} (Prefect home: {prefect_home})")
     t0 = time.monotonic()
     try:
-        with folder_lock(output, "eagle3-pipeline run"):  # one run per output folder (and its Prefect database)
+        with folder_lock(output, "eagle3-pipeline"):  # one run per output folder (and its Prefect database)
             state = eagle3_pipeline(config, return_state=True)
     except FolderLockedError as e:
         print(f"error: {e}", file=sys.stderr)
