@@ -76,6 +76,9 @@ class ExtractSettings(Section):
     )
     device: str = Field("auto", description="transformers backend: 'auto', 'cpu', 'cuda', 'cuda:1', ...")
     batch_tokens: int = Field(16384, gt=0, description="Padded tokens per forward batch.")
+    compile: bool = Field(
+        False, description="transformers backend: compile the verifier's decoder layers (torch.compile, one graph "
+        "shared by all layers, symbolic shapes); pays off on a GPU for a large verifier (docs/BENCHMARKS.md).")
     shard_tokens: int = Field(
         65536, gt=0,
         description="Target tokens per shard file (x 4 layers x hidden x 2 bytes in bf16: 2.1 GB for hidden 4096). Each "
@@ -114,8 +117,8 @@ class ExtractSettings(Section):
     def output_settings(self) -> dict:
         """The settings that decide the shards, for cache keys. The rest only changes how they are made:
         finished shards are reused by fingerprint (verifier, layers, dtype, samples) whatever the backend,
-        device, batch size, number of ranks, verification or disk reserve."""
-        return self.model_dump(exclude={"backend", "device", "batch_tokens", "tensor_parallel_size",
+        device, batch size, compilation, number of ranks, verification or disk reserve."""
+        return self.model_dump(exclude={"backend", "device", "batch_tokens", "compile", "tensor_parallel_size",
                                         "gpu_memory_utilization", "workers", "reserve_disk_gb", "verify"})
 
 

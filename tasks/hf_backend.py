@@ -123,12 +123,13 @@ class TransformersBackend:
     name = "transformers"
 
     def __init__(self, verifier: VerifierInfo, layers: list[int], dtype: str = "bfloat16", device: str = "auto",
-                 trust_remote_code: bool = False):
+                 trust_remote_code: bool = False, compile: bool = False):
         self.verifier = verifier
         self.layers = layers  # the 3 auxiliary ids, then N
         self.dtype = getattr(torch, dtype)
         self.device = resolve_device(device)
         self.trust_remote_code = trust_remote_code
+        self.compile = compile
         self.model = None
         self._captured: dict[int, torch.Tensor] = {}
 
@@ -155,7 +156,17 @@ class TransformersBackend:
         layers = decoder_layers(self.decoder, self.verifier.num_layers)
         for k in self.layers:
             layers[k - 1].register_forward_hook(self._hook(k))
+        if self.compile:
+            self.compile_layers()
         self.input_device = self.decoder.get_input_embeddings().weight.device
+
+    def compile_layers(self) -> None:
+        """Regional compilation: every decoder layer runs one compiled graph (the layers share their
+        code, so it compiles once, in seconds rather than the whole model's minutes), with symbolic
+        batch and sequence sizes (no recompile per batch shape). The capture hooks stay outside the
+        compiled region: they run in each layer's __call__."""
+        for layer in decoder_layers(self.decoder, self.verifier.num_layers):
+            layer.forward = torch.compile(layer.forward, dynamic=True)
 
     def _hook(self, k: int):
         def capture(_module, _args, output):
@@ -167,6 +178,11 @@ class TransformersBackend:
     def capture(self, batch: list[list[int]]) -> torch.Tensor:
         """Hidden states of every token of every sequence, packed: [sum(len), len(layers), H].
 
+        Rows are padded on the right and run with no attention mask: under causal attention a token
+        never attends to the pads after it, so its states are those of its sequence alone, and SDPA
+        keeps its fastest (flash) kernel, which any explicit mask rules out. The pads' own states
+        are computed and dropped.
+
         Nothing here waits for the device: inputs go up asynchronously, and the positions of the
         real (unpadded) tokens are computed on the host, so the next batch is queued while this one
         computes (a boolean-mask gather would synchronize on every batch)."""
@@ -175,15 +191,12 @@ class TransformersBackend:
         input_ids = torch.zeros(len(batch), width, dtype=torch.long)
         for i, seq in enumerate(batch):
             input_ids[i, : len(seq)] = torch.as_tensor(seq)
-        mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
         flat_positions = torch.cat([torch.arange(n) + i * width for i, n in enumerate(lengths)])
         pin = self.input_device.type == "cuda"
         if pin:
-            input_ids, mask, flat_positions = input_ids.pin_memory(), mask.pin_memory(), flat_positions.pin_memory()
-        device = self.input_device
+            input_ids, flat_positions = input_ids.pin_memory(), flat_positions.pin_memory()
         self._captured.clear()
-        self.decoder(input_ids=input_ids.to(device, non_blocking=pin),
-                     attention_mask=mask.to(device, non_blocking=pin).long(), use_cache=False)
+        self.decoder(input_ids=input_ids.to(self.input_device, non_blocking=pin), use_cache=False)
         first = self._captured[self.layers[0]]
         out = torch.empty(len(flat_positions), len(self.layers), first.shape[-1], dtype=first.dtype, device=first.device)
         positions = flat_positions.to(first.device, non_blocking=pin)
