@@ -17,7 +17,9 @@ from the training's own validation log, whatever its ttt_steps) and the final dr
 acceptance length on the verifier's greedy answers to the MT-Bench first turns. With --return, the
 run's draft is also written to OUT in files under 16 MiB for bench/validate_returned_draft.py.
 Started while the run still trains (its job.json is written when training starts), the variants train
-alongside it and the run's draft is scored once its training has written result.json.
+alongside it and the run's draft is scored once its training has written result.json. If the run's
+training stops without writing it (no live process holds TRAIN_DIR's lock any more), or --wait-s
+passes, recipe.json keeps the variants' figures alone and the command exits non-zero saying why.
 """
 
 from __future__ import annotations
@@ -39,12 +41,16 @@ from bench.acceptance import answer_mtbench, split_for_return  # noqa: E402
 from flows.cli import parse_overrides  # noqa: E402
 from tasks.config import TrainSettings  # noqa: E402
 from tasks.extract import ExtractJob, run_extraction  # noqa: E402
+from tasks.folder_lock import held_by_live_process  # noqa: E402
 from tasks.prepare import prepare  # noqa: E402
 from tasks.tracking import read_metrics  # noqa: E402
 from tasks.acceptance import simulated_acceptance_length  # noqa: E402
 from tasks.train import TrainJob, evaluate_draft, run_training  # noqa: E402
 
 K = 3  # vLLM's num_speculative_tokens in the validation stage
+# How long the run's train folder may stay unlocked before its training counts as failed: the
+# train stage's retries start again after 10 and 20 s (flows/stages.py GPU_STAGE), re-taking the lock.
+UNLOCKED_GRACE_S = 120
 
 
 def validation_curve(train_dir: Path) -> list[tuple[int, float]]:
@@ -70,6 +76,28 @@ def score(draft: Path, scoring) -> dict:
             **{k: round(v, 4) for k, v in metrics.items() if k.startswith(("cond_acc", "replayed_acceptance_"))}}
 
 
+def wait_for_run(train_dir: Path, wait_s: float, poll_s: float = 15,
+                 unlocked_grace_s: float = UNLOCKED_GRACE_S) -> str | None:
+    """Wait for the run's training to write TRAIN_DIR/result.json: None once it has, else why it
+    never will (no live process has held the folder's lock for `unlocked_grace_s`, or `wait_s` passed)."""
+    result = train_dir / "result.json"
+    start, unlocked_since = time.monotonic(), None
+    while not result.exists():
+        now = time.monotonic()
+        if held_by_live_process(train_dir) is False:
+            unlocked_since = now if unlocked_since is None else unlocked_since
+            if now - unlocked_since >= unlocked_grace_s:
+                return (f"the run's training stopped without writing {result}: no live process has held "
+                        f"{train_dir} for {now - unlocked_since:.0f} s (the run's own log says why)")
+        else:
+            unlocked_since = None
+        if now - start >= wait_s:
+            return f"the run's training did not write {result} within --wait-s {wait_s:.0f} s"
+        logging.info("waiting for the run's training to finish (%s)", result)
+        time.sleep(poll_s)
+    return None
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("train_dir", type=Path)
@@ -86,6 +114,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--return", dest="return_draft", action="store_true",
                    help="also write the run's draft to OUT in parts under 16 MiB")
+    p.add_argument("--wait-s", type=float, default=7200,
+                   help="how long to wait, after the variants, for the run's training to write result.json")
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     a.out.mkdir(parents=True, exist_ok=True)
@@ -123,9 +153,9 @@ def main() -> None:
                "results": {name: {**v, **score(Path(v.pop("draft")), scoring)} for name, v in variants.items()}}
     report(summary, a.out)  # the variants' figures are safe before waiting for the run
 
-    while not (a.train_dir / "result.json").exists():
-        logging.info("waiting for the run's training to finish (%s)", a.train_dir / "result.json")
-        time.sleep(15)
+    given_up = wait_for_run(a.train_dir, a.wait_s)
+    if given_up:
+        raise SystemExit(f"{given_up}; {a.out / 'recipe.json'} has the variants' figures, without the run's draft")
     summary["results"] = {"run": {"settings": run.settings, "validation_curve": validation_curve(a.train_dir),
                                   **score(a.train_dir / "draft", scoring)}, **summary["results"]}
     if a.return_draft:

@@ -52,6 +52,23 @@ def folder_lock(folder: str | Path, what: str) -> Iterator[int]:
         os.close(fd)  # releases the lock unless a worker process still holds the inherited descriptor
 
 
+def held_by_live_process(folder: str | Path) -> bool | None:
+    """Whether a live process holds `folder`'s lock; None where the folder has no lock file (no
+    stage ran there). The probe takes the lock shared and lets go at once: a stage starting in that
+    instant would be refused (a transient error, retried), so poll it seconds apart, not in a loop."""
+    try:
+        fd = os.open(Path(folder) / LOCK_NAME, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # releases the probe's lock
+    return False
+
+
 def describe_holder(path: Path) -> str:
     try:
         holder = json.loads(path.read_text())

@@ -19,7 +19,10 @@ The worker, `python -m <module>` with its progress file:
         work(..., callback=progress_file_callback(progress_file))
 
 Several processes may share one progress file's error file (the ranks of torchrun): each record
-says its rank (`$RANK`).
+says its rank (`$RANK`). When that file cannot be written (the disk filled: the very error being
+reported), a process started by `run_processes` sends the record through a pipe it inherited
+instead, which needs no disk (`$EAGLE3_ERROR_PIPE`, "PARENT_PID:FD"; a torchrun rank, whose parent
+is torchrun, cannot use it and goes unreported).
 """
 
 from __future__ import annotations
@@ -112,6 +115,9 @@ def errors_file(progress_file: str | Path) -> Path:
     return progress_file.with_name(f"{progress_file.stem}.errors.jsonl")
 
 
+ERROR_PIPE_ENV = "EAGLE3_ERROR_PIPE"
+
+
 @contextmanager
 def reporting_errors(progress_file: str | Path | None) -> Iterator[None]:
     """In a worker: an exception leaving the block is recorded for the parent, then re-raised
@@ -123,9 +129,28 @@ def reporting_errors(progress_file: str | Path | None) -> Iterator[None]:
             record = {"rank": int(os.environ.get("RANK", 0)), "pid": os.getpid(),
                       "type": f"{type(e).__module__}.{type(e).__qualname__}", "message": str(e),
                       "deterministic": is_deterministic(e), "traceback": traceback.format_exc()[-8000:]}
-            with errors_file(progress_file).open("a") as f:
-                f.write(json.dumps(record) + "\n")
+            line = json.dumps(record) + "\n"
+            try:
+                with errors_file(progress_file).open("a") as f:
+                    f.write(line)
+            except OSError as write_error:
+                if not send_through_pipe(line):
+                    log.error("the exception could not be reported to the parent process (%s: %s)",
+                              errors_file(progress_file), write_error.strerror or write_error)
         raise
+
+
+def send_through_pipe(line: str) -> bool:
+    """`line` into the pipe `run_processes` passed this process, if it did (the pipe's parent end
+    is this process's parent: not a torchrun rank's nor a child's that inherited the variable)."""
+    parent, _, fd = os.environ.get(ERROR_PIPE_ENV, "").partition(":")
+    if not fd or parent != str(os.getppid()):
+        return False
+    try:
+        os.write(int(fd), line.encode())  # blocks, if the pipe is full, until the parent's next read
+    except OSError:
+        return False
+    return True
 
 
 def rebuild(record: dict) -> Exception:
@@ -149,15 +174,54 @@ def rebuild(record: dict) -> Exception:
 
 def read_errors(progress_file: Path) -> list[dict]:
     path = errors_file(progress_file)
-    if not path.is_file():
-        return []
+    return parse_records(path.read_text()) if path.is_file() else []
+
+
+def parse_records(text: str) -> list[dict]:
     records = []
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:
-            continue  # a line cut short by a kill
+            continue  # a line cut short by a kill or a full disk
     return records
+
+
+class ErrorPipe:
+    """The parent end of a worker's error pipe (`send_through_pipe`): what the worker sent, read
+    without blocking (a grandchild may hold the write end open after the worker exits)."""
+
+    def __init__(self):
+        self.read_fd, write_fd = os.pipe()
+        self.write_fd: int | None = write_fd
+        os.set_blocking(self.read_fd, False)
+        self.received = b""
+
+    def env(self, env: dict[str, str] | None) -> dict[str, str]:
+        return {**(os.environ if env is None else env), ERROR_PIPE_ENV: f"{os.getpid()}:{self.write_fd}"}
+
+    def drain(self) -> None:
+        while True:
+            try:
+                chunk = os.read(self.read_fd, 65536)
+            except BlockingIOError:
+                return
+            if not chunk:
+                return
+            self.received += chunk
+
+    def records(self) -> list[dict]:
+        self.drain()
+        return parse_records(self.received.decode(errors="replace"))
+
+    def close_write_end(self) -> None:
+        if self.write_fd is not None:
+            os.close(self.write_fd)
+            self.write_fd = None
+
+    def close(self) -> None:
+        self.close_write_end()
+        os.close(self.read_fd)
 
 
 def exit_description(code: int, logged: bool = False) -> str:
@@ -215,25 +279,41 @@ def run_processes(commands: list[list[str]], progress_files: list[Path], callbac
         path.unlink(missing_ok=True)
         errors_file(path).unlink(missing_ok=True)
     outputs = [log.open("w") for log in logs] if logs else [None] * len(commands)
+    pipes: list[ErrorPipe] = []
     try:
-        procs = [subprocess.Popen(cmd, env=envs[i] if envs else None, stdout=outputs[i],
-                                  stderr=subprocess.STDOUT if outputs[i] else None, pass_fds=pass_fds)
-                 for i, cmd in enumerate(commands)]
-        follow(lambda: any(p.poll() is None for p in procs), progress_files, callback, poll_s)
+        procs = []
+        for i, cmd in enumerate(commands):
+            pipes.append(ErrorPipe())
+            procs.append(subprocess.Popen(cmd, env=pipes[i].env(envs[i] if envs else None), stdout=outputs[i],
+                                          stderr=subprocess.STDOUT if outputs[i] else None,
+                                          pass_fds=(*pass_fds, pipes[i].write_fd)))
+            pipes[i].close_write_end()  # the worker holds it now
+
+        def running() -> bool:
+            for pipe in pipes:
+                pipe.drain()  # a worker writing into a full pipe waits for this
+            return any(p.poll() is None for p in procs)
+
+        follow(running, progress_files, callback, poll_s)
+        piped = [pipe.records() for pipe in pipes]
     finally:
         for f in outputs:
             if f is not None:
                 f.close()
+        for pipe in pipes:
+            pipe.close()
     failed = {i: p.returncode for i, p in enumerate(procs) if p.returncode != 0}
     if failed:
-        raise worker_failure(failed, progress_files, label, logs)
+        raise worker_failure(failed, progress_files, label, logs, piped)
 
 
-def worker_failure(failed: dict[int, int], progress_files: list[Path], label: str, logs: list[Path] | None
-                   ) -> Exception:
-    """The exception for failed processes: the first one a worker reported, else `WorkerLost`."""
+def worker_failure(failed: dict[int, int], progress_files: list[Path], label: str, logs: list[Path] | None,
+                   piped: list[list[dict]] | None = None) -> Exception:
+    """The exception for failed processes: the first one a worker reported (in its errors file, or
+    through its pipe where that file could not be written), else `WorkerLost`."""
     i, code = next(iter(failed.items()))
-    records = [(j, r) for j in failed for r in sorted(read_errors(progress_files[j]), key=lambda r: r["rank"])]
+    records = [(j, r) for j in failed
+               for r in sorted(read_errors(progress_files[j]) + (piped[j] if piped else []), key=lambda r: r["rank"])]
     if records:
         i, record = records[0]
         exc = rebuild(record)

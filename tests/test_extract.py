@@ -18,7 +18,7 @@ import torch
 
 from tasks.extract import ExtractJob, run_extraction
 from tasks.extract_plan import ExtractError
-from tasks.folder_lock import FolderLockedError
+from tasks.folder_lock import FolderLockedError, held_by_live_process
 from tasks.prepare import load_prepared, prepare
 from tasks.shards import ShardError, ShardReader, read_manifest, read_metadata, shard_journal
 
@@ -199,13 +199,14 @@ def test_a_second_run_on_a_locked_folder_is_refused_and_a_killed_holder_does_not
          "with folder_lock(sys.argv[1], 'extraction'):\n    print('locked', flush=True); time.sleep(600)",
          str(tmp_path)], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "locked"
+    assert held_by_live_process(tmp_path) is True  # what bench/recipe.py asks of a run's train folder
     with pytest.raises(FolderLockedError, match=f"in use by another extraction run \\(pid {holder.pid} on host "
                                                 f"{socket.gethostname()}"):
         run_extraction(job_for(prepared, smollm2, tmp_path), in_process=True)
     assert not list(tmp_path.glob("shard-*"))  # refused before any work
     holder.send_signal(signal.SIGKILL)  # its lock file stays behind, its lock goes with it
     holder.wait()
-    assert (tmp_path / ".lock").is_file()
+    assert (tmp_path / ".lock").is_file() and held_by_live_process(tmp_path) is False
     with pytest.raises(ExtractError, match="not enough disk"):  # past the lock: the plan runs (and refuses)
         run_extraction(job_for(prepared, smollm2, tmp_path, reserve_disk_gb=1e9), in_process=True)
 

@@ -24,9 +24,7 @@ def faults():
 
 @pytest.fixture(scope="module")
 def inputs(faults, smollm2, sharegpt, tmp_path_factory):
-    work = tmp_path_factory.mktemp("faults")
-    faults.ATIME_WORKS = faults.atime_tracks_reads(work)
-    return faults.Inputs(work)
+    return faults.Inputs(tmp_path_factory.mktemp("faults"))
 
 
 def assert_all_held(trials) -> None:
