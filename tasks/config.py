@@ -75,7 +75,11 @@ class ExtractSettings(Section):
         "decoder layer k); default [2, N//2, N-3]."
     )
     device: str = Field("auto", description="transformers backend: 'auto', 'cpu', 'cuda', 'cuda:1', ...")
-    batch_tokens: int = Field(16384, gt=0, description="Padded tokens per forward batch.")
+    batch_tokens: int = Field(16384, gt=0, description="Tokens per forward batch: rows x the longest, padding "
+                              "included; with packing, the one row's length.")
+    packing: bool = Field(
+        False, description="transformers backend: pack samples back to back into rows of batch_tokens, each attending "
+        "to itself alone (FlexAttention): no compute on padding, and batches run across shard boundaries.")
     compile: bool = Field(
         False, description="transformers backend: compile the verifier's decoder layers (torch.compile, one graph "
         "shared by all layers, symbolic shapes); pays off on a GPU for a large verifier (docs/BENCHMARKS.md).")
@@ -103,6 +107,13 @@ class ExtractSettings(Section):
         "unchanged since they were written and checksummed (for multi-TB runs) and checks their token ids.",
     )
 
+    @model_validator(mode="after")
+    def _transformers_options(self):
+        if self.backend == "vllm" and (self.packing or self.compile):
+            raise ValueError("extract.packing and extract.compile apply to the transformers backend; vLLM packs and "
+                             "compiles on its own")
+        return self
+
     @field_validator("aux_layers")
     @classmethod
     def _three_distinct_layers(cls, v: list[int] | None) -> list[int] | None:
@@ -117,8 +128,8 @@ class ExtractSettings(Section):
     def output_settings(self) -> dict:
         """The settings that decide the shards, for cache keys. The rest only changes how they are made:
         finished shards are reused by fingerprint (verifier, layers, dtype, samples) whatever the backend,
-        device, batch size, compilation, number of ranks, verification or disk reserve."""
-        return self.model_dump(exclude={"backend", "device", "batch_tokens", "compile", "tensor_parallel_size",
+        device, batch size, packing, compilation, number of ranks, verification or disk reserve."""
+        return self.model_dump(exclude={"backend", "device", "batch_tokens", "packing", "compile", "tensor_parallel_size",
                                         "gpu_memory_utilization", "workers", "reserve_disk_gb", "verify"})
 
 

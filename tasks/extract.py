@@ -203,7 +203,8 @@ def make_backend(job: ExtractJob, verifier: VerifierInfo, layers: list[int]):
         return VllmBackend(verifier, layers, job.compute_dtype, s, job.trust_remote_code)
     from tasks.hf_backend import TransformersBackend
 
-    return TransformersBackend(verifier, layers, job.compute_dtype, s.device, job.trust_remote_code, s.compile)
+    return TransformersBackend(verifier, layers, job.compute_dtype, s.device, job.trust_remote_code, s.compile,
+                               packed_row_tokens=s.batch_tokens if s.packing else None)
 
 
 def run_worker(job: ExtractJob, rank: int = 0, world_size: int = 1,

@@ -8,6 +8,7 @@ are quantized on the device, before the copy: half the bytes cross to the host.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import queue
@@ -33,6 +34,21 @@ def batches(spec: ShardSpec, lengths, batch_tokens: int) -> list[list[int]]:
             out[-1].append(r)
         else:
             out.append([r])
+    return out
+
+
+def packed_batches(shards: list[ShardSpec], lengths, batch_tokens: int) -> list[list[int]]:
+    """The shards' rows in their stored order, grouped so that a batch's tokens add up to at most
+    batch_tokens (no padding to pay for): a batch may run on into the next shard."""
+    out: list[list[int]] = []
+    tokens = 0
+    for r in (r for spec in shards for r in spec.rows):
+        if out and tokens + lengths[r] <= batch_tokens:
+            out[-1].append(r)
+            tokens += lengths[r]
+        else:
+            out.append([r])
+            tokens = lengths[r]
     return out
 
 
@@ -151,15 +167,27 @@ def extract_shards(shards: list[ShardSpec], plan: ExtractionPlan, prepared, out_
     writer = ShardWriter(out_dir, max(s.tokens for s in shards), plan.hidden_size, backend.device, metadata,
                          plan.storage_dtype)
     progress = Progress(label, sum(s.tokens for s in shards), "tok", callback)
+    if getattr(backend, "packed_row_tokens", None):
+        work = packed_batches(shards, lengths, batch_tokens)
+    else:
+        work = [batch for spec in shards for batch in batches(spec, lengths, batch_tokens)]
+    shard_of = {r: spec for spec in shards for r in spec.rows}
     try:
-        for spec in shards:
-            ids = [all_ids[r] for r in spec.rows]
-            writer.begin(spec, ids)
-            position = {r: i for i, r in enumerate(spec.rows)}
-            for batch in batches(spec, lengths, batch_tokens):
-                writer.add(backend.capture([ids[position[r]] for r in batch]))
-                progress.update(sum(lengths[r] for r in batch), note=f"shard {spec.index + 1}/{len(plan.shards)}")
-            writer.finish()
+        current = None
+        for batch in work:
+            states = backend.capture([all_ids[r] for r in batch])
+            start = 0
+            for spec, rows in itertools.groupby(batch, key=shard_of.__getitem__):
+                if spec is not current:  # the batch reached the next shard
+                    if current is not None:
+                        writer.finish()
+                    writer.begin(spec, [all_ids[r] for r in spec.rows])
+                    current = spec
+                n = sum(lengths[r] for r in rows)
+                writer.add(states[start: start + n])
+                start += n
+            progress.update(start, note=f"shard {current.index + 1}/{len(plan.shards)}")
+        writer.finish()
         t_last_batch = time.monotonic()
     finally:
         writer.close()

@@ -49,6 +49,8 @@ def test_missing_section_and_cross_field_checks(tmp_path):
         load_config(write(tmp_path, "data: {sources: [a.json]}\n"))
     with pytest.raises(ConfigError, match="batch_tokens"):
         load_config(write(tmp_path, BASE + "extract: {batch_tokens: 100}"))
+    with pytest.raises(ConfigError, match="extract.packing and extract.compile apply to the transformers backend"):
+        load_config(write(tmp_path, BASE + "extract: {backend: vllm, packing: true}"))
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(write(tmp_path, "verifier: [unclosed"))
     with pytest.raises(ConfigError, match="not found"):
