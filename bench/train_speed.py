@@ -13,7 +13,7 @@ dynamo), AdamW, packed batches of --total-seq-len tokens, --workers loader proce
 Each trainer runs in a fresh process (torch.compile's caches and recompilation budget are per
 process; a second trainer in the same process would inherit the first one's). Prints one JSON line:
 train_speed_vs_speculators (ours tokens/s over theirs; goal >= 1.0, each the median over
-steady-state steps) and train_peak_mem_gb of each.
+steady-state steps) and train_peak_mem_gb of each; with --profile-steps, where our step's time goes.
 """
 
 from __future__ import annotations
@@ -161,15 +161,18 @@ def peak_gb() -> float | None:
 def run_ours(verifier: Path, prepared: Path, manifest: Path, vocab, aux: list[int], out: Path, a) -> dict:
     settings = {"max_steps": a.steps, "epochs": 1000, "optimizer": "adamw", "lr": a.lr, "weight_decay": 0.0,
                 "total_seq_len": a.total_seq_len, "log_every": a.log_every, "eval_every": 10**9,
-                "val_fraction": 0.0, "loader_workers": a.workers, "seed": 0}
+                "val_fraction": 0.0, "loader_workers": a.workers, "seed": 0, "profile_steps": a.profile_steps}
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     train_worker(TrainJob(str(manifest), str(prepared), vocab.path, str(verifier), str(out), aux, settings=settings))
     wall = time.perf_counter() - t0
     rates = [m["tokens_per_s"] for m in read_metrics(out) if m["split"] == "train"]
-    return {"tokens_per_s": steady(rates, max(1, a.warmup_steps // a.log_every)), "windows": len(rates),
-            "wall_s": round(wall, 1), "peak_mem_gb": peak_gb()}
+    result = {"tokens_per_s": steady(rates, max(1, a.warmup_steps // a.log_every)), "windows": len(rates),
+              "wall_s": round(wall, 1), "peak_mem_gb": peak_gb()}
+    if a.profile_steps:
+        result["profile"] = json.loads((out / "profile.json").read_text())
+    return result
 
 
 def in_fresh_process(trainer: str, argv: list[str]) -> dict:
@@ -193,6 +196,8 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--out", default="/tmp/train-speed-bench")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="profile this many of our steady-state steps (train.profile_steps; the median is over the rest)")
     p.add_argument("--trainer", choices=["ours", "speculators"], help=argparse.SUPPRESS)  # the worker processes
     a = p.parse_args()
     logging.basicConfig(level=logging.WARNING)

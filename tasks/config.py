@@ -157,6 +157,8 @@ class TrainSettings(Section):
     val_fraction: float = Field(0.05, ge=0, lt=1, description="Share of samples held out for validation.")
     eval_every: int = Field(200, gt=0, description="Validate and checkpoint every N steps, and at the end.")
     log_every: int = Field(10, gt=0)
+    profile_steps: int = Field(0, ge=0, description="Profile this many steady-state steps (torch.profiler) and write "
+                               "profile.txt and profile.json (ms per step in each phase) to the train stage's folder.")
     tensorboard: bool = Field(True, description="TensorBoard event files under the train stage's folder "
                               "(`tensorboard --logdir <output_dir>/train`).")
     keep_checkpoints: int = Field(2, gt=0, description="Recent checkpoints kept, besides the best.")
@@ -167,7 +169,7 @@ class TrainSettings(Section):
     def output_settings(self) -> dict:
         """The settings that decide the draft, for fingerprints and cache keys (data loading, device
         and logging only change how it is made)."""
-        return self.model_dump(exclude={"loader_workers", "device", "log_every", "tensorboard"})
+        return self.model_dump(exclude={"loader_workers", "device", "log_every", "tensorboard", "profile_steps"})
 
 
 class ValidationSettings(Section):

@@ -47,6 +47,7 @@ from tasks.checkpoints import (
 from tasks.folder_lock import folder_lock
 from tasks.progress import Progress, ProgressCallback
 from tasks.shards import read_manifest
+from tasks.step_profile import StepProfiler
 from tasks.subprocess_runs import progress_file_callback, reporting_errors, run_processes
 from tasks.tracking import TrainingLog
 from tasks.train_data import (
@@ -271,6 +272,7 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
         return metrics
 
     progress = Progress("train", total_steps, "step", callback, done=step)
+    profiler = StepProfiler(out_dir, s.profile_steps if rank == 0 else 0, device)
     note = ""
     t_window = time.monotonic()
     trained_tokens, steady_tokens, steady_s, windows = 0, 0, 0.0, 0
@@ -286,22 +288,28 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
             for o in optimizers:
                 o.zero_grad(set_to_none=True)
             for micro in range(s.grad_accum_steps):
-                batch = next(batches)
-                inputs = {k: batch[k].to(device, non_blocking=True) for k in MODEL_INPUTS}
+                with profiler.phase("data"):
+                    batch = next(batches)
+                with profiler.phase("to_device"):
+                    inputs = {k: batch[k].to(device, non_blocking=True) for k in MODEL_INPUTS}
                 sync = world == 1 or micro == s.grad_accum_steps - 1
                 # DDP all-reduces gradients only on the last micro-batch of a step
                 with net.no_sync() if not sync else nullcontext(), torch.autocast(
                         device.type, dtype, enabled=device.type == "cuda"):
-                    _, loss, metrics = net(**inputs, **call)
-                    (loss / s.grad_accum_steps).backward()
+                    with profiler.phase("forward"):
+                        _, loss, metrics = net(**inputs, **call)
+                    with profiler.phase("backward"):
+                        (loss / s.grad_accum_steps).backward()
                 accumulate(sums, metrics)
                 tokens += int((batch["document_ids"] != -1).sum())
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            for o in optimizers:
-                o.step()
-            for sc in schedulers:
-                sc.step()
+            with profiler.phase("optimizer"):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                for o in optimizers:
+                    o.step()
+                for sc in schedulers:
+                    sc.step()
             step += 1
+            profiler.step()
             if step % s.log_every == 0 or step == total_steps:
                 now = time.monotonic()
                 trained_tokens += tokens * world
@@ -339,6 +347,7 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
                     dist.barrier()
                 t_window = time.monotonic()  # validation time is not training time
     progress.close()
+    profiler.close()
     if world > 1:
         dist.barrier()
     if rank != 0:

@@ -82,8 +82,12 @@ def test_vocab_is_capped_at_the_verifier_vocabulary(data, smollm2, tmp_path):
 def test_short_run_overfits_and_reloads_in_speculators(data, smollm2, tmp_path):
     from speculators import SpeculatorModel
 
-    result = train(data, smollm2, tmp_path, epochs=12, eval_every=10, val_fraction=0.0)
+    result = train(data, smollm2, tmp_path, epochs=12, eval_every=10, val_fraction=0.0, profile_steps=3)
     assert result.steps > 10 and result.best_step == result.steps  # no validation set: the latest is exported
+    profile = json.loads((tmp_path / "profile.json").read_text())  # train.profile_steps: where a step's time goes
+    assert profile["steps"] == 3 and set(profile["phases_per_step"]) == {"data", "to_device", "forward", "backward",
+                                                                           "optimizer"}
+    assert profile["phases_per_step"]["forward"]["cpu_ms"] > 0 and "Self CPU" in (tmp_path / "profile.txt").read_text()
     assert not [m for m in read_metrics(tmp_path) if m["split"] == "val"]
     train_log = [m for m in read_metrics(tmp_path) if m["split"] == "train"]
     first, last = train_log[0], train_log[-1]
