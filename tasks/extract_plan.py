@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from tasks.verifier import VerifierInfo, verifier_fingerprint
 log = logging.getLogger(__name__)
 
 LAYERS_STORED = 4  # 3 auxiliary + the last
+DISK_PROBE_BYTES = 64 * 2**20  # written and synced once per plan that writes more than 16 times this
 WRITER_BUFFERS = 3  # shards in host memory per worker: one filling, two queued or being written
 
 
@@ -62,7 +64,8 @@ class ExtractionPlan:
     done: list[str] = field(default_factory=list)  # names of valid shards already on disk
     stale_bytes: int = 0  # shard files in the folder that belong to other inputs
     free_bytes: int = 0
-    est_seconds: float | None = None  # planned: from FLOPs, before any model loads
+    est_seconds: float | None = None  # planned, before any model loads: the slower of FLOPs and the disk
+    disk_bytes_per_s: float | None = None  # what the output folder's disk took in a short synced write
     measured_seconds: float | None = None  # calibrated from the first measured batches (`calibrate`)
     measured_tokens_per_s: float | None = None
     storage_dtype: str = "bf16"  # extract.storage_dtype
@@ -110,6 +113,7 @@ class ExtractionPlan:
             "host_buffers_gb_per_worker": round(self.host_buffer_bytes / 1e9, 2),
             "estimated_time": self.estimate_text(),
             "planned_estimate": format_seconds(self.est_seconds) if self.est_seconds is not None else "n/a",
+            "disk_write_gb_per_s": round(self.disk_bytes_per_s / 1e9, 2) if self.disk_bytes_per_s else "n/a",
             "measured_tokens_per_s": round(self.measured_tokens_per_s) if self.measured_tokens_per_s else "n/a",
         }
 
@@ -140,9 +144,10 @@ class ExtractionPlan:
             f"  disk ({self.storage_dtype}): {s['bytes_total_gb']} GB in all, {s['bytes_to_write_gb']} GB to write, "
             f"{s['free_disk_gb']} GB free" + (f", {s['stale_shards_gb']} GB of stale shards" if self.stale_bytes else "")
             + f"; host memory: {s['host_buffers_gb_per_worker']} GB of shard buffers per worker"
-            + f"\n  estimated time for {s['tokens_to_extract']:,} tokens: {s['estimated_time']} (rough: FLOPs of the "
-            "weights at 40% of this device's matmul rate in the compute dtype; corrected from the first measured "
-            "batches)"
+            + f"\n  estimated time for {s['tokens_to_extract']:,} tokens: {s['estimated_time']} (rough: the slower of "
+            "the weights' FLOPs at 40% of this device's matmul rate in the compute dtype"
+            + (f" and the writes at the {s['disk_write_gb_per_s']} GB/s this disk took" if self.disk_bytes_per_s else "")
+            + "; corrected from the first measured batches)"
         )
 
 
@@ -195,7 +200,31 @@ def make_plan(prepared, verifier: VerifierInfo, layers: list[int], out_dir: Path
     if check_existing:
         plan.done, plan.stale_bytes = existing_shards(out_dir, shards)
     plan.est_seconds = estimate_seconds(verifier, plan.pending_tokens, compute_dtype)
+    if plan.bytes_to_write > 16 * DISK_PROBE_BYTES:
+        # A small verifier's extraction writes faster than most disks take it (SmolLM2: 4.6 KB per
+        # token at 600k+ tokens/s of forward): the plan is the slower of the two.
+        plan.disk_bytes_per_s = disk_write_rate(out_dir)
+        if plan.disk_bytes_per_s:
+            plan.est_seconds = max(plan.est_seconds or 0.0, plan.bytes_to_write / plan.disk_bytes_per_s)
     return plan
+
+
+def disk_write_rate(folder: Path) -> float | None:
+    """Bytes/s the folder's disk took for DISK_PROBE_BYTES written and synced (a fraction of a
+    second); None where it could not write them (a full disk is check_disk's to report)."""
+    probe = folder / f".disk-probe-{os.getpid()}"
+    data = os.urandom(DISK_PROBE_BYTES)  # incompressible
+    try:
+        t0 = time.perf_counter()
+        with open(probe, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        return DISK_PROBE_BYTES / (time.perf_counter() - t0)
+    except OSError:
+        return None
+    finally:
+        probe.unlink(missing_ok=True)
 
 
 def existing_shards(out_dir: Path, shards: list[ShardSpec]) -> tuple[list[str], int]:
