@@ -41,7 +41,9 @@ class RegenerateSettings(Section):
         "(1: first exchanges only). None: every turn, each from the regenerated conversation so far.")
     chunk_size: int = Field(
         1024, gt=0, description="Conversations per chunk: each chunk is appended to disk when done, so a crash "
-        "costs at most one chunk.")
+        "costs at most one chunk. Turns are generated in rounds across a chunk (turn 2 of every conversation "
+        "after turn 1 of all): with several turns, larger chunks keep later rounds' batches full (transformers "
+        "backend, ShareGPT: 8,192 instead of 2,048 cuts the decoding steps by ~30%).")
     batch_size: int | None = Field(
         None, gt=0, description="transformers backend: rows per generation batch (default: what fits in 70% of "
         "the free GPU memory with a static KV cache; 16 on CPU).")
