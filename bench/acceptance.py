@@ -33,7 +33,8 @@ from tasks.extract import ExtractJob, run_extraction  # noqa: E402
 from tasks.prepare import prepare  # noqa: E402
 from tasks.shards import ShardReader  # noqa: E402
 from tasks.acceptance import simulated_acceptance_length  # noqa: E402
-from tasks.train import TrainJob, evaluate_draft, run_training  # noqa: E402
+from tasks.train import TrainJob, run_training  # noqa: E402
+from tasks.train_eval import evaluate_draft  # noqa: E402
 from tasks.vocab import build_vocab  # noqa: E402
 
 AUX = [2, 15, 27]

@@ -45,7 +45,8 @@ from tasks.folder_lock import held_by_live_process  # noqa: E402
 from tasks.prepare import prepare  # noqa: E402
 from tasks.tracking import read_metrics  # noqa: E402
 from tasks.acceptance import simulated_acceptance_length  # noqa: E402
-from tasks.train import TrainJob, evaluate_draft, run_training  # noqa: E402
+from tasks.train import TrainJob, run_training  # noqa: E402
+from tasks.train_eval import evaluate_draft  # noqa: E402
 
 K = 3  # vLLM's num_speculative_tokens in the validation stage
 # How long the run's train folder may stay unlocked before its training counts as failed: the

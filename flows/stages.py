@@ -53,6 +53,8 @@ import tasks.subprocess_runs
 import tasks.tracking
 import tasks.train
 import tasks.train_data
+import tasks.train_eval
+import tasks.train_model
 import tasks.validate
 import tasks.vllm_live
 import tasks.vocab
@@ -269,8 +271,8 @@ def _train_job(config: PipelineConfig, prepared: PreparedData, extracted: Extrac
 def _train_key(ctx, p) -> str:
     c: PipelineConfig = p["config"]
     return cache_key(ctx, p["extracted"].fingerprint, p["vocab"].fingerprint, c.train.output_settings(),
-                     c.output_dir, modules=(tasks.train, tasks.checkpoints, tasks.train_data, tasks.acceptance,
-                                            tasks.subprocess_runs))
+                     c.output_dir, modules=(tasks.train, tasks.train_model, tasks.train_eval, tasks.train_data,
+                                            tasks.checkpoints, tasks.acceptance, tasks.subprocess_runs))
 
 
 @task(name="train", cache_key_fn=_train_key, tags=["gpu"], **GPU_STAGE)

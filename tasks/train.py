@@ -12,6 +12,8 @@ the accelerator every step), so this is one lean loop that runs the same on CPU 
 - Every shard is checked against the extraction manifest before training reads it (fingerprint,
   checksum; once per shard, the ranks sharing the work): a damaged or foreign shard stops the run
   with a ShardError naming the file instead of training on it.
+- The draft and its optimizers come from speculators' factories (tasks/train_model.py); validation
+  and the counted metrics it shares with the loop are in tasks/train_eval.py.
 - Checkpoints (tasks/checkpoints.py) hold the draft and the training state, the metrics window
   included; after a kill, training resumes from the last complete checkpoint and follows the
   uninterrupted run's trajectory, its metrics log included.
@@ -35,15 +37,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tasks.acceptance import replay_speculative_decoding, simulated_acceptance_length
-from tasks.checkpoints import (
-    checkpoint_dirs,
-    export_draft,
-    load_checkpoint,
-    load_draft,
-    remove_temporaries,
-    save_checkpoint,
-)
+from tasks.acceptance import simulated_acceptance_length
+from tasks.checkpoints import checkpoint_dirs, export_draft, load_checkpoint, remove_temporaries, save_checkpoint
 from tasks.folder_lock import folder_lock
 from tasks.progress import Progress, ProgressCallback
 from tasks.shards import read_manifest
@@ -51,6 +46,7 @@ from tasks.step_profile import StepProfiler
 from tasks.subprocess_runs import progress_file_callback, reporting_errors, run_processes
 from tasks.tracking import TrainingLog
 from tasks.train_data import (
+    MODEL_INPUTS,
     ShardDataset,
     StepBatches,
     TrainDataError,
@@ -59,14 +55,14 @@ from tasks.train_data import (
     split_indices,
     verify_shards,
 )
+from tasks.train_eval import accumulate, evaluate, reduce_metrics, reduce_sums
+from tasks.train_model import build_draft, build_optimizers
 from tasks.verifier import inspect_verifier, verifier_fingerprint
 from tasks.vocab import load_vocab
 
 log = logging.getLogger(__name__)
 
 TRAIN_FORMAT = "train-v3"  # v2: each epoch its own packed step count; v3: state loadable with weights_only, log window
-MODEL_INPUTS = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids",
-                "verifier_last_hidden_states")
 
 
 @dataclass(frozen=True)
@@ -132,68 +128,7 @@ def check_inputs(job: TrainJob, manifest: dict) -> tuple[torch.Tensor | None, to
     return d2t, t2d, d2t.numel()
 
 
-# ---------------------------------------------------------------- model and optimizer
-
-
-def build_draft(job: TrainJob, d2t, t2d, draft_vocab_size: int, device: torch.device):
-    """speculators' Eagle3DraftModel from its own factories (full attention in every layer, as
-    vLLM's EAGLE-3 serves it)."""
-    from speculators.models.eagle3 import Eagle3DraftModel
-    from speculators.train.cli import create_transformer_layer_config
-
-    s = job.train_settings
-    layer_config = create_transformer_layer_config(
-        verifier_name_or_path=job.verifier_path, num_layers=s.num_layers, draft_arch="llama", hidden_act=None,
-        sliding_window=s.total_seq_len, full_attention_indices=list(range(s.num_layers)),
-        trust_remote_code=job.trust_remote_code,
-    )
-    attn = "simple_flex_attention" if device.type == "cuda" else "sdpa"  # flex has no CPU backward
-    model = Eagle3DraftModel.from_training_args(
-        verifier_config=layer_config, t2d=t2d, d2t=d2t, verifier_name_or_path=job.verifier_path,
-        draft_vocab_size=draft_vocab_size, norm_before_residual=s.norm_before_residual, ttt_steps=s.ttt_steps,
-        target_layer_ids=job.aux_layers, norm_before_fc=s.norm_before_fc, norm_output=s.norm_output,
-        draft_attn_impl=attn, trust_remote_code=job.trust_remote_code,
-    )
-    return model.to(device)
-
-
-def build_optimizers(model, s, total_steps: int):
-    from speculators.train.optimizers import build_optimizers as speculators_optimizers
-    from transformers import get_cosine_schedule_with_warmup
-
-    settings = argparse.Namespace(optimizer=s.optimizer, lr=s.lr, weight_decay=s.weight_decay, muon_lr=s.lr,
-                                  muon_momentum=0.95, muon_weight_decay=s.weight_decay, muon_ns_steps=5,
-                                  muon_adjust_lr_fn="match_rms_adamw")
-    optimizers = speculators_optimizers(model, settings)
-    schedulers = [get_cosine_schedule_with_warmup(o, s.warmup_steps, max(total_steps, 1)) for o in optimizers]
-    return optimizers, schedulers
-
-
 # ---------------------------------------------------------------- the loop
-
-
-def reduce_sums(sums: dict[str, torch.Tensor], distributed: bool) -> dict[str, torch.Tensor]:
-    """Counted metrics summed over the ranks."""
-    keys = sorted(sums)
-    if not keys:
-        return {}
-    stacked = torch.stack([sums[k].float().reshape(()) for k in keys])
-    if distributed:
-        dist.all_reduce(stacked)
-    return dict(zip(keys, stacked.unbind(), strict=True))
-
-
-def reduce_metrics(sums: dict[str, torch.Tensor], distributed: bool) -> dict[str, float]:
-    from speculators.train.utils import normalize_counted_metrics
-
-    return normalize_counted_metrics({k: v.item() for k, v in reduce_sums(sums, distributed).items()})
-
-
-def accumulate(sums: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor]) -> None:
-    for k, v in metrics.items():
-        if k.endswith(("_sum", "_total")):
-            v = v.detach().float()
-            sums[k] = sums[k] + v if k in sums else v
 
 
 def setup_distributed() -> tuple[int, int, int]:
@@ -370,43 +305,6 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
              f"{trained_tokens:,}",
              f"{result.steady_tokens_per_s:,.0f}" if result.steady_tokens_per_s else "n/a", result.wall_s)
     return result
-
-
-def evaluate(net, dataset: ShardDataset | None, total_seq_len: int, hidden: int, dtype: torch.dtype,
-             device: torch.device, call: dict, world: int = 1, rank: int = 0, seed: int = 0) -> dict[str, float]:
-    """Loss and per-position metrics of a draft over a dataset (its packed batches split over the
-    ranks; sums all-reduced), and greedy speculative decoding replayed over it (tasks/acceptance.py).
-    Accuracies are token counts, so they do not depend on the batching."""
-    net.eval()
-    model = net.module if isinstance(net, torch.nn.parallel.DistributedDataParallel) else net
-    sums: dict[str, torch.Tensor] = {}
-    sampler = StepBatches(dataset.lengths(), total_seq_len, world, rank, 1, seed, 0) if dataset else []
-    if dataset and len(sampler):
-        with torch.no_grad(), torch.autocast(device.type, dtype, enabled=device.type == "cuda"):
-            for batch in make_loader(dataset, sampler, total_seq_len, hidden, dtype, 0):
-                inputs = {k: batch[k].to(device) for k in MODEL_INPUTS}
-                draft_tokens, _, metrics = net(**inputs, **call)
-                accumulate(sums, metrics)
-                # the targets speculators' forward computes and does not return
-                targets = model.verifier_lm_head(model.verifier_norm(inputs["verifier_last_hidden_states"]))
-                accumulate(sums, replay_speculative_decoding(draft_tokens, targets.argmax(-1), inputs["loss_mask"],
-                                                             inputs["document_ids"]))
-    return reduce_metrics(sums, world > 1)
-
-
-def evaluate_draft(draft: str | Path, manifest: str | Path, prepared_path: str | Path, ttt_steps: int = 3,
-                   total_seq_len: int = 8192, verifier: str | Path | None = None,
-                   samples: list[int] | None = None) -> dict[str, float]:
-    """Per-position metrics of a saved draft on extracted samples (all, or the manifest's rows
-    `samples`), with greedy speculative decoding replayed over them."""
-    from speculators.losses import resolve_loss_config
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_draft(draft, device, verifier)
-    call = {"ttt_steps": ttt_steps, "ttt_step_loss_decay": 1.0, "loss_config": resolve_loss_config("kl_div", "eager")}
-    dataset = ShardDataset(manifest, prepared_path, samples)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return evaluate(model, dataset, total_seq_len, read_manifest(manifest)["hidden_size"], dtype, device, call)
 
 
 # ---------------------------------------------------------------- running it

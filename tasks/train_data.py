@@ -33,6 +33,9 @@ from tasks.shards import ShardReader
 
 log = logging.getLogger(__name__)
 
+MODEL_INPUTS = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids",
+                "verifier_last_hidden_states")  # the batch's tensors the draft's forward takes
+
 
 class TrainDataError(PermanentError, ValueError):
     """The shards, prepared data or split cannot be trained on; the message says why."""

@@ -23,8 +23,9 @@ from tasks.plots import TRAIN, VAL, training_curves
 from tasks.prepare import load_prepared, prepare
 from tasks.shards import ShardError
 from tasks.tracking import read_metrics
-from tasks.train import TrainJob, evaluate_draft, run_training
+from tasks.train import TrainJob, run_training
 from tasks.train_data import TrainDataError
+from tasks.train_eval import evaluate_draft
 from tasks.vocab import build_vocab, load_vocab, token_frequencies
 
 AUX = [2, 15, 27]
