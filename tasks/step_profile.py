@@ -28,8 +28,9 @@ class StepProfiler:
         self.profiler = None
         if steps:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-            self.profiler = profile(activities=activities, schedule=schedule(wait=SKIP_STEPS, warmup=2, active=steps),
-                                    on_trace_ready=self._write)
+            # one cycle (repeat=1): profiling the whole run would slow all of it
+            self.profiler = profile(activities=activities, on_trace_ready=self._write,
+                                    schedule=schedule(wait=SKIP_STEPS, warmup=2, active=steps, repeat=1))
             self.profiler.start()
 
     def phase(self, name: str):
