@@ -178,16 +178,18 @@ def extract_shards(shards: list[ShardSpec], plan: ExtractionPlan, prepared, out_
             states = backend.capture([all_ids[r] for r in batch])
             start = 0
             for spec, rows in itertools.groupby(batch, key=shard_of.__getitem__):
-                if spec is not current:  # the batch reached the next shard
-                    if current is not None:
-                        writer.finish()
+                if current is None:
                     writer.begin(spec, [all_ids[r] for r in spec.rows])
                     current = spec
                 n = sum(lengths[r] for r in rows)
                 writer.add(states[start: start + n])
                 start += n
-            progress.update(start, note=f"shard {current.index + 1}/{len(plan.shards)}")
-        writer.finish()
+                if writer.cursor == spec.tokens:  # its last rows: written now, not after the next batch
+                    writer.finish()
+                    current = None
+            progress.update(start, note=f"shard {spec.index + 1}/{len(plan.shards)}")
+        if current is not None:
+            writer.finish()  # refuses a shard that did not get all its tokens
         t_last_batch = time.monotonic()
     finally:
         writer.close()
