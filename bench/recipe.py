@@ -7,9 +7,10 @@ simulated acceptance length (k=3) on the verifier's own answers to the MT-Bench 
 
 TRAIN_DIR is the train stage's folder of a finished pipeline run (`<output_dir>/train/<fp>/`): its
 `job.json` names the run's prepared data, extraction, vocabulary and settings, which every variant
-reuses (nothing is re-extracted; a `data.*` override re-prepares --conversations, the run's own chat
-data, with that setting: only loss masks may differ, the tokens and so the hidden states are the
-same). A variant is the run's train settings with its overrides and
+reuses (a `data.*` override re-prepares --conversations, the run's own chat data, with that setting:
+only loss masks may differ, the tokens and so the hidden states are the same; an `extract.*`
+override, e.g. extract.storage_dtype=fp8_e4m3, extracts the run's samples again with it, into
+--work). A variant is the run's train settings with its overrides and
 --steps optimizer steps (cosine schedule over those steps), trained in its own process; all variants
 train at once on the one GPU (a small draft leaves it underused). Reported per variant, and for the
 run's own draft: the held-out validation curve (simulated acceptance length with k=3 against step,
@@ -126,16 +127,23 @@ def main() -> None:
 
     def train(name: str, overrides: list[str]):
         extra = parse_overrides(overrides)
-        prepared_path = run.prepared_path
+        prepared_path, manifest = run.prepared_path, run.manifest
         if extra.get("data"):  # same rows and tokens, other loss masks
             if not a.conversations:
                 raise SystemExit(f"variant {name} overrides data settings: give --conversations")
             prepared_path = prepare(run.verifier_path, [a.conversations], a.work / name, max_seq_len=a.max_seq_len,
                                     **extra["data"]).path
+        if extra.get("extract"):  # the run's samples extracted again, e.g. stored in fp8
+            run_manifest = json.loads(Path(run.manifest).read_text())
+            manifest = run_extraction(ExtractJob(
+                run.prepared_path, run_manifest["prepared_fingerprint"], run.verifier_path, str(a.work / name / "hs"),
+                trust_remote_code=run.trust_remote_code,
+                settings={"aux_layers": run.aux_layers, "reserve_disk_gb": 1, **extra["extract"]}), in_process=True).manifest
         settings = TrainSettings.model_validate({**run.settings, **extra.get("train", {}), "max_steps": a.steps,
                                                  "epochs": 1000, "eval_every": a.eval_every,
                                                  "loader_workers": a.loader_workers})
-        job = TrainJob(**{**asdict(run), "prepared_path": prepared_path, "out_dir": str(a.work / "variants" / name),
+        job = TrainJob(**{**asdict(run), "prepared_path": prepared_path, "manifest": manifest,
+                          "out_dir": str(a.work / "variants" / name),
                           "settings": settings.model_dump()})
         t = time.perf_counter()
         result = run_training(job, "", "")
