@@ -162,6 +162,11 @@ def main() -> None:
     def states_of_some_batches() -> list[torch.Tensor]:
         return [backend.capture(b).float().cpu() for b in all_batches[:: max(1, len(all_batches) // 4)]]
 
+    def cosine_to(reference: list[torch.Tensor], states: list[torch.Tensor]) -> dict:
+        cos = [torch.nn.functional.cosine_similarity(e, c, dim=-1) for e, c in zip(reference, states, strict=True)]
+        return {"cosine_to_eager_min": round(min(c.min().item() for c in cos), 5),
+                "cosine_to_eager_mean": round(sum(c.sum().item() for c in cos) / sum(c.numel() for c in cos), 6)}
+
     def extraction(dtype: str) -> float:
         out = work / f"hidden_states-{dtype}"
         shutil.rmtree(out, ignore_errors=True)
@@ -187,28 +192,22 @@ def main() -> None:
         backend.compile_layers()
         fixed_forward()  # compiles (symbolic shapes: once for every batch shape)
         compile_s = time.perf_counter() - t0
-        cos = [torch.nn.functional.cosine_similarity(e, c, dim=-1)
-               for e, c in zip(eager_states, states_of_some_batches(), strict=True)]
+        similarity = cosine_to(eager_states, states_of_some_batches())
         best["compiled"] = fixed_forward()
         runs = [extraction(a.storage_dtypes[0]), extraction(a.storage_dtypes[0])]
         best["compiled"] = max(best["compiled"], fixed_forward())
         compiled = {"extract_tokens_per_s": round(max(runs)), "runs_tokens_per_s": [round(x) for x in runs],
-                    "bare_forward_tokens_per_s": round(bare_forward()), "compile_s": round(compile_s, 1),
-                    "cosine_to_eager_min": round(min(c.min().item() for c in cos), 5),
-                    "cosine_to_eager_mean": round(sum(c.sum().item() for c in cos) / sum(c.numel() for c in cos), 6)}
+                    "bare_forward_tokens_per_s": round(bare_forward()), "compile_s": round(compile_s, 1), **similarity}
     packed = None
     if a.packing:
         eager_states = eager_states if a.compile else states_of_some_batches()
         backend.enable_packing(a.batch_tokens)
         t0 = time.perf_counter()
-        cos = [torch.nn.functional.cosine_similarity(e, c, dim=-1)
-               for e, c in zip(eager_states, states_of_some_batches(), strict=True)]
+        similarity = cosine_to(eager_states, states_of_some_batches())
         first_s = time.perf_counter() - t0
         runs = [extraction(a.storage_dtypes[0]), extraction(a.storage_dtypes[0])]
         packed = {"extract_tokens_per_s": round(max(runs)), "runs_tokens_per_s": [round(x) for x in runs],
-                  "compiled_layers": a.compile, "first_batches_s": round(first_s, 1),
-                  "cosine_to_eager_min": round(min(c.min().item() for c in cos), 5),
-                  "cosine_to_eager_mean": round(sum(c.sum().item() for c in cos) / sum(c.numel() for c in cos), 6)}
+                  "compiled_layers": a.compile, "first_batches_s": round(first_s, 1), **similarity}
     best_forward = max(best.values())
     per_dtype = {}
     for d, p_ in plans.items():

@@ -51,6 +51,8 @@ AUX = lambda n: [2, n // 2, n - 3]  # noqa: E731
 class RandomStates:
     """Stands in for the verifier when making synthetic training data: random hidden states."""
 
+    packed_row_tokens = None  # padded batches, as the backends without packing
+
     def __init__(self, hidden: int, device: str):
         self.hidden, self.device, self.model = hidden, device, object()
 

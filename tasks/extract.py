@@ -214,7 +214,7 @@ def run_worker(job: ExtractJob, rank: int = 0, world_size: int = 1,
     prepared, verifier, layers = load_inputs(job)
     out_dir = Path(job.out_dir)
     plan = make_plan(prepared, verifier, layers, out_dir, compute_dtype=job.compute_dtype,
-                     shard_tokens=s.shard_tokens, storage_dtype=s.storage_dtype)
+                     shard_tokens=s.shard_tokens, storage_dtype=s.storage_dtype, estimate=False)
     mine = [spec for spec in plan.pending if spec.index % world_size == rank]
     if not mine:
         log.info("worker %d/%d: no shard to extract, verifier not loaded", rank, world_size)

@@ -189,7 +189,11 @@ def plan_shards(prepared, extraction_fp: str, shard_tokens: int) -> list[ShardSp
 
 
 def make_plan(prepared, verifier: VerifierInfo, layers: list[int], out_dir: Path, *, compute_dtype: str,
-              shard_tokens: int, storage_dtype: str = "bf16", check_existing: bool = True) -> ExtractionPlan:
+              shard_tokens: int, storage_dtype: str = "bf16", check_existing: bool = True,
+              estimate: bool = True) -> ExtractionPlan:
+    """The plan for `out_dir`. `estimate`: time it (a matmul timing, and a disk probe for plans
+    over 1 GiB); the parent that reports the plan does, the worker processes that only need its
+    shards do not."""
     verifier_fp = verifier_fingerprint(verifier.path)
     fp = extraction_fingerprint(verifier_fp, layers, compute_dtype, storage_dtype)
     shards = plan_shards(prepared, fp, shard_tokens)
@@ -199,6 +203,8 @@ def make_plan(prepared, verifier: VerifierInfo, layers: list[int], out_dir: Path
     plan.free_bytes = shutil.disk_usage(out_dir).free
     if check_existing:
         plan.done, plan.stale_bytes = existing_shards(out_dir, shards)
+    if not estimate:
+        return plan
     plan.est_seconds = estimate_seconds(verifier, plan.pending_tokens, compute_dtype)
     if plan.bytes_to_write > 16 * DISK_PROBE_BYTES:
         # A small verifier's extraction writes faster than most disks take it (SmolLM2: 4.6 KB per

@@ -167,7 +167,7 @@ def extract_shards(shards: list[ShardSpec], plan: ExtractionPlan, prepared, out_
     writer = ShardWriter(out_dir, max(s.tokens for s in shards), plan.hidden_size, backend.device, metadata,
                          plan.storage_dtype)
     progress = Progress(label, sum(s.tokens for s in shards), "tok", callback)
-    if getattr(backend, "packed_row_tokens", None):
+    if backend.packed_row_tokens:
         work = packed_batches(shards, lengths, batch_tokens)
     else:
         work = [batch for spec in shards for batch in batches(spec, lengths, batch_tokens)]

@@ -25,6 +25,7 @@ SKIP_STEPS = 20  # past the first log window, where compilation happens
 class StepProfiler:
     def __init__(self, out_dir: Path, steps: int, device: torch.device):
         self.out_dir, self.steps, self.cuda = out_dir, steps, device.type == "cuda"
+        self.stepped = 0
         self.profiler = None
         if steps:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
@@ -39,6 +40,7 @@ class StepProfiler:
 
     def step(self) -> None:
         if self.profiler:
+            self.stepped += 1
             self.profiler.step()
 
     def close(self) -> None:
@@ -47,6 +49,11 @@ class StepProfiler:
             self.profiler = None
 
     def _write(self, prof) -> None:
+        if self.stepped < SKIP_STEPS + 2 + self.steps:  # stopped early: a partial window would mislead
+            log.warning("train.profile_steps=%d: the run ended %d steps after its start, before the profiled "
+                        "window (steps %d to %d): no profile written", self.steps, self.stepped, SKIP_STEPS + 3,
+                        SKIP_STEPS + 2 + self.steps)
+            return
         events = prof.key_averages()
         sort = "device_time_total" if self.cuda else "cpu_time_total"
         (self.out_dir / "profile.txt").write_text(events.table(sort_by=sort, row_limit=40))

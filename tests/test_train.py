@@ -340,7 +340,8 @@ def test_metrics_log_after_a_resume_equals_the_uninterrupted_runs(data, smollm2,
     its last checkpoint: the resumed run's log must still be the uninterrupted run's."""
     settings = {"max_steps": 7, "eval_every": 4, "log_every": 3, "keep_checkpoints": 10}
     reference = tmp_path / "reference"
-    train(data, smollm2, reference, **settings)
+    train(data, smollm2, reference, **settings, profile_steps=3)
+    assert not (reference / "profile.json").exists()  # too short for the profiled window: none written, not a partial one
     killed = tmp_path / "killed"
     shutil.copytree(reference, killed)
     # a kill late in the run, its later checkpoints lost: the checkpoint of step 4, records past it, one cut off
