@@ -9,7 +9,9 @@ without a GPU) and `profile.json`, per step in milliseconds:
   backward, optimizer): `cpu_ms` is its range on the host, `device_span_ms` the span of the GPU
   work issued inside it (kernels that autograd's engine thread launches in the backward are not
   attributed to a phase, so backward's span stays near zero on a GPU);
-- the 15 kernels (on a GPU) or operators (on a CPU) with the most self time."""
+- the 15 kernels (on a GPU) or operators (on a CPU) with the most self time.
+`profile_trace.json.gz` is the whole timeline of those steps (chrome://tracing or Perfetto): where
+the host waits on the device and where the device waits on the host."""
 
 from __future__ import annotations
 
@@ -63,6 +65,7 @@ class StepProfiler:
         events = prof.key_averages()
         sort = "device_time_total" if self.cuda else "cpu_time_total"
         (self.out_dir / "profile.txt").write_text(events.table(sort_by=sort, row_limit=40))
+        prof.export_chrome_trace(str(self.out_dir / "profile_trace.json.gz"))
         per_step: dict[str, dict[str, float]] = {}
         for e in events:  # a phase is two rows on a GPU: its host range and its device annotation
             if e.key in PHASES:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import shutil
 import signal
@@ -90,6 +91,8 @@ def test_short_run_overfits_and_reloads_in_speculators(data, smollm2, tmp_path):
                                                                            "optimizer"}
     assert profile["step_ms"] >= profile["phases_per_step"]["forward"]["cpu_ms"] > 0  # a step's wall holds its forward
     assert profile["device_busy_ms"] is None and "Self CPU" in (tmp_path / "profile.txt").read_text()
+    with gzip.open(tmp_path / "profile_trace.json.gz", "rt") as trace:  # the timeline, for Perfetto
+        assert any(e.get("name") == "forward" for e in json.load(trace)["traceEvents"])
     assert not [m for m in read_metrics(tmp_path) if m["split"] == "val"]
     train_log = [m for m in read_metrics(tmp_path) if m["split"] == "train"]
     first, last = train_log[0], train_log[-1]
