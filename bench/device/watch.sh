@@ -1,0 +1,18 @@
+# On the GPU machine: wait up to $1 s for the job (or until /tmp/job.log matches $2), show its
+# progress, and put the results under $OUT: one small tarball (logs, reports, metrics, profiles,
+# recipe scores) and a returned draft's parts (bench/recipe.py --return --out /tmp/recipe-out).
+set -u
+end=$(( $(date +%s) + ${1:-500} ))
+until [ -f /tmp/job.done ] || [ "$(date +%s)" -ge $end ] || { [ -n "${2:-}" ] && grep -q "${2:-}" /tmp/job.log; }; do
+  sleep 5
+done
+cat /tmp/job.log
+for f in /tmp/bench_*.log; do echo "=== $f"; tail -c 1500 "$f"; done
+nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader; df -h /tmp | tail -1
+{ find /tmp/runs -maxdepth 4 \( -name 'report.json' -o -name 'result.json' -o -name 'metrics.jsonl' \
+    -o -name 'manifest-*.json' \) -size -4M 2>/dev/null
+  find /tmp/train-speed-bench /tmp/recipe-out -type f -size -8M \( -name 'profile*' -o -name '*.json' \) 2>/dev/null
+  ls /tmp/bench_*.log /tmp/job.log; } > /tmp/results.list 2>/dev/null
+tar -czf "$OUT/results.tgz" -T /tmp/results.list 2>/dev/null; ls -la "$OUT/results.tgz"
+cp /tmp/recipe-out/draft.safetensors.part* "$OUT/" 2>/dev/null
+[ -f /tmp/job.done ] && echo JOB_DONE
