@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tasks.demo_assets import ensure_asset  # noqa: E402
-from tasks.extract_plan import ExtractionPlan, plan_shards  # noqa: E402
+from tasks.extract_plan import ExtractionPlan, matmul_flops_per_s, plan_shards  # noqa: E402
 from tasks.shard_writer import batches, extract_shards  # noqa: E402
 from tasks.hf_backend import TransformersBackend  # noqa: E402
 from tasks.prepare import load_prepared, prepare  # noqa: E402
@@ -48,18 +48,7 @@ LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
 
 
 def matmul_peak(device: str) -> float:
-    n = 8192 if device == "cuda" else 1024
-    dtype = torch.bfloat16
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(3):
-        a @ b
-    sync(device)
-    reps = 20 if device == "cuda" else 3
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    sync(device)
-    return 2 * n**3 * reps / (time.perf_counter() - t0)
+    return matmul_flops_per_s(device, torch.bfloat16, 8192 if device == "cuda" else 1024, 20 if device == "cuda" else 3)
 
 
 def sync(device: str) -> None:

@@ -14,6 +14,9 @@ Each trainer runs in a fresh process (torch.compile's caches and recompilation b
 process; a second trainer in the same process would inherit the first one's). Prints one JSON line:
 train_speed_vs_speculators (ours tokens/s over theirs; goal >= 1.0, each the median over
 steady-state steps) and train_peak_mem_gb of each; with --profile-steps, where our step's time goes.
+`train_mfu` of each: the draft's matmul FLOPs per token (by count: 3 TTT steps of the decoder layer
+and lm_head, the fc, forward and backward; the targets' head forward only) times tokens/s, over the
+bf16 matmul rate measured here: how much of the GPU's arithmetic the step uses.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tasks.extract import write_manifest  # noqa: E402
-from tasks.extract_plan import ExtractionPlan, plan_shards  # noqa: E402
+from tasks.extract_plan import ExtractionPlan, matmul_flops_per_s, plan_shards  # noqa: E402
 from tasks.shard_writer import extract_shards  # noqa: E402
 from tasks.prepare import load_prepared  # noqa: E402
 from tasks.shards import ShardReader  # noqa: E402
@@ -112,6 +115,16 @@ def make_data(root: Path, verifier: Path, shape: dict, samples: int, seq_len: in
         str(theirs))
     vocab = build_vocab(str(prepared_dir), "bench", str(verifier), root, 32000)
     return prepared_dir, manifest, vocab, theirs, layers[:3]
+
+
+def draft_flops_per_token(shape: dict, draft_vocab: int, ttt_steps: int = 3, aux_layers: int = 3) -> float:
+    """Matmul FLOPs of one training token of a 1-layer EAGLE-3 draft, by count. A weight costs 2 FLOPs
+    per token forward and 4 backward (input and weight gradients); the fc's input needs no gradient,
+    the targets' head (verifier norm + lm_head over the draft vocabulary) runs without one."""
+    h, f = shape["hidden_size"], shape["intermediate_size"]
+    kv = h // shape["num_attention_heads"] * shape["num_key_value_heads"]
+    layer = 2 * h * h + 2 * (2 * h * kv) + h * h + 3 * h * f  # q, k, v from [embedding, hidden]; o; MLP
+    return 6 * ttt_steps * (layer + h * draft_vocab) + 4 * aux_layers * h * h + 2 * h * draft_vocab
 
 
 def steady(values: list[float], skip: int) -> float:
@@ -228,8 +241,13 @@ def main() -> None:
     print(f"speculators: {json.dumps(speculators_result)}", flush=True)  # kept if the run is cut short
     ours = in_fresh_process("ours", sys.argv[1:])
     print(f"ours: {json.dumps(ours)}", flush=True)
+    flops = draft_flops_per_token(shape, vocab.draft_vocab_size)
+    peak = matmul_flops_per_s(device, torch.bfloat16, 8192 if device == "cuda" else 1024, 20 if device == "cuda" else 3)
+    for result in (ours, speculators_result):
+        result["train_mfu"] = round(result["tokens_per_s"] * flops / peak, 3)
     print(json.dumps({
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "draft_gflops_per_token": round(flops / 1e9, 3), "matmul_peak_tflops": round(peak / 1e12, 1),
         "verifier_shape": "Llama-3.1-8B" if not a.tiny else "tiny", "samples": a.samples, "seq_len": a.seq_len,
         "total_seq_len": a.total_seq_len, "steps": a.steps, "data_s": round(data_s, 1),
         "ours": ours, "speculators": speculators_result,

@@ -269,16 +269,19 @@ def estimate_seconds(verifier: VerifierInfo, tokens: int, compute_dtype: str) ->
     bytes_per_param = {".gguf": 0.6}.get(Path(verifier.weight_files[0]).suffix, 2) if verifier.weight_files else 2
     params = verifier.weight_bytes / bytes_per_param
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = getattr(torch, compute_dtype)
-    n = 4096 if device == "cuda" else 1024
+    flops = matmul_flops_per_s(device, getattr(torch, compute_dtype), 4096 if device == "cuda" else 1024, reps=3)
+    return 2 * params * tokens / (0.4 * flops)
+
+
+def matmul_flops_per_s(device: str, dtype: torch.dtype, n: int, reps: int) -> float:
+    """The rate of n x n matrix products measured here: one warm-up, then `reps` timed."""
     a = torch.randn(n, n, device=device, dtype=dtype)
-    (a @ a).sum().item()  # warm-up
-    t0, reps = time.perf_counter(), 3
+    (a @ a).sum().item()
+    t0 = time.perf_counter()
     for _ in range(reps):
         b = a @ a
     b.sum().item()
-    flops = 2 * n**3 * reps / (time.perf_counter() - t0)
-    return 2 * params * tokens / (0.4 * flops)
+    return 2 * n**3 * reps / (time.perf_counter() - t0)
 
 
 def check_disk(plan: ExtractionPlan, out_dir: Path, reserve_gb: float) -> None:
