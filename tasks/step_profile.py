@@ -92,7 +92,8 @@ class StepProfiler:
 def step_and_busy_ms(events, steps: int) -> tuple[float, float]:
     """Wall time per profiled step, and the time per step the device ran anything: the union of
     its kernels' and copies' intervals (streams that overlap count once; annotations are not work)."""
-    step_us = sum(e.time_range.elapsed_us() for e in events if e.key.startswith("ProfilerStep"))
+    step_us = sum(e.time_range.elapsed_us() for e in events
+                  if e.key.startswith("ProfilerStep") and e.device_type == DeviceType.CPU)
     spans = sorted((e.time_range.start, e.time_range.end) for e in events
                    if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
     busy_us, covered_to = 0.0, float("-inf")
