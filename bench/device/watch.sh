@@ -15,4 +15,14 @@ nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader; df -h 
   ls /tmp/bench_*.log /tmp/job.log; } > /tmp/results.list 2>/dev/null
 tar -czf "$OUT/results.tgz" -T /tmp/results.list 2>/dev/null; ls -la "$OUT/results.tgz"
 cp /tmp/recipe-out/draft.safetensors.part* "$OUT/" 2>/dev/null
+# A finished regeneration comes back once (its journal and reports, in parts): the slowest stage
+# need not run again if the machine is lost before the rest ends (setup.sh restores it).
+for reg in /tmp/runs/*/regenerated/*/; do
+  marker=/tmp/returned-$(basename "$reg")
+  if [ -f "$reg/report.json" ] && [ ! -f "$marker" ]; then
+    tar -C /tmp/runs -czf /tmp/regenerated.tgz --exclude=conversations.jsonl --exclude=failed.jsonl "${reg#/tmp/runs/}" &&
+      split -b 15M -d /tmp/regenerated.tgz "$OUT/regenerated.tgz.part" && touch "$marker" &&
+      echo "returned ${reg#/tmp/runs/} ($(du -h /tmp/regenerated.tgz | cut -f1))"
+  fi
+done
 [ -f /tmp/job.done ] && echo JOB_DONE
