@@ -213,6 +213,8 @@ def main() -> None:
     p.add_argument("--out", default="/tmp/train-speed-bench")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="profile this many of our steady-state steps (train.profile_steps; the median is over the rest)")
+    p.add_argument("--ours-only", action="store_true",
+                   help="skip speculators' Trainer (e.g. to profile our loop alone): no ratio is reported")
     p.add_argument("--trainer", choices=["ours", "speculators"], help=argparse.SUPPRESS)  # the worker processes
     a = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -237,13 +239,13 @@ def main() -> None:
         "verifier": str(verifier), "prepared": str(prepared), "manifest": str(manifest), "theirs": str(theirs),
         "aux": aux, "vocab": {"path": vocab.path, "draft_vocab_size": vocab.draft_vocab_size}}))
     print(f"data: {data_s:.0f} s", flush=True)
-    speculators_result = in_fresh_process("speculators", sys.argv[1:])
+    speculators_result = None if a.ours_only else in_fresh_process("speculators", sys.argv[1:])
     print(f"speculators: {json.dumps(speculators_result)}", flush=True)  # kept if the run is cut short
     ours = in_fresh_process("ours", sys.argv[1:])
     print(f"ours: {json.dumps(ours)}", flush=True)
     flops = draft_flops_per_token(shape, vocab.draft_vocab_size)
     peak = matmul_flops_per_s(device, torch.bfloat16, 8192 if device == "cuda" else 1024, 20 if device == "cuda" else 3)
-    for result in (ours, speculators_result):
+    for result in filter(None, (ours, speculators_result)):
         result["train_mfu"] = round(result["tokens_per_s"] * flops / peak, 3)
     print(json.dumps({
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
@@ -251,7 +253,8 @@ def main() -> None:
         "verifier_shape": "Llama-3.1-8B" if not a.tiny else "tiny", "samples": a.samples, "seq_len": a.seq_len,
         "total_seq_len": a.total_seq_len, "steps": a.steps, "data_s": round(data_s, 1),
         "ours": ours, "speculators": speculators_result,
-        "train_speed_vs_speculators": round(ours["tokens_per_s"] / speculators_result["tokens_per_s"], 3),
+        "train_speed_vs_speculators": round(ours["tokens_per_s"] / speculators_result["tokens_per_s"], 3)
+        if speculators_result else None,
         "torch": torch.__version__,
     }))
 
