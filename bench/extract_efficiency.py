@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tasks.demo_assets import ensure_asset  # noqa: E402
-from tasks.extract_plan import ExtractionPlan, matmul_flops_per_s, plan_shards  # noqa: E402
+from tasks.extract_plan import ExtractionPlan, bf16_matmul_peak, plan_shards  # noqa: E402
 from tasks.shard_writer import batches, extract_shards  # noqa: E402
 from tasks.hf_backend import TransformersBackend  # noqa: E402
 from tasks.prepare import load_prepared, prepare  # noqa: E402
@@ -45,10 +45,6 @@ from tasks.verifier import inspect_verifier  # noqa: E402
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
                 tie_word_embeddings=False, architectures=["LlamaForCausalLM"], model_type="llama")
-
-
-def matmul_peak(device: str) -> float:
-    return matmul_flops_per_s(device, torch.bfloat16, 8192 if device == "cuda" else 1024, 20 if device == "cuda" else 3)
 
 
 def sync(device: str) -> None:
@@ -205,7 +201,7 @@ def main() -> None:
                         "extract_efficiency": round(max(ext[d]) / bare, 3), "bytes": real_bytes,
                         "bytes_real_over_planned": round(real_bytes / p_.bytes_total, 4)}
     ours = max(ext[a.storage_dtypes[0]])
-    peak = matmul_peak(device)
+    peak = bf16_matmul_peak(device)
     report = {
         "device": torch.cuda.get_device_name() if device == "cuda" else f"cpu x{torch.get_num_threads()}",
         "verifier": "random Llama-3.1-8B shapes" if a.random_llama_8b else "SmolLM2-135M-Instruct",

@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tasks.extract import write_manifest  # noqa: E402
-from tasks.extract_plan import ExtractionPlan, matmul_flops_per_s, plan_shards  # noqa: E402
+from tasks.extract_plan import ExtractionPlan, bf16_matmul_peak, plan_shards  # noqa: E402
 from tasks.shard_writer import extract_shards  # noqa: E402
 from tasks.prepare import load_prepared  # noqa: E402
 from tasks.shards import ShardReader  # noqa: E402
@@ -244,7 +244,7 @@ def main() -> None:
     ours = in_fresh_process("ours", sys.argv[1:])
     print(f"ours: {json.dumps(ours)}", flush=True)
     flops = draft_flops_per_token(shape, vocab.draft_vocab_size)
-    peak = matmul_flops_per_s(device, torch.bfloat16, 8192 if device == "cuda" else 1024, 20 if device == "cuda" else 3)
+    peak = bf16_matmul_peak(device)
     for result in filter(None, (ours, speculators_result)):
         result["train_mfu"] = round(result["tokens_per_s"] * flops / peak, 3)
     print(json.dumps({

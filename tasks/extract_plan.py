@@ -273,6 +273,12 @@ def estimate_seconds(verifier: VerifierInfo, tokens: int, compute_dtype: str) ->
     return 2 * params * tokens / (0.4 * flops)
 
 
+def bf16_matmul_peak(device: str) -> float:
+    """The bf16 matmul rate the benchmarks' utilization figures divide by (8192^3 products on a GPU)."""
+    cuda = device == "cuda"
+    return matmul_flops_per_s(device, torch.bfloat16, 8192 if cuda else 1024, reps=20 if cuda else 3)
+
+
 def matmul_flops_per_s(device: str, dtype: torch.dtype, n: int, reps: int) -> float:
     """The rate of n x n matrix products measured here: one warm-up, then `reps` timed."""
     a = torch.randn(n, n, device=device, dtype=dtype)

@@ -4,7 +4,7 @@ and the demo's asset wheels, in folders small enough for one transfer each.
     python bench/device/pack.py [--out .carry] [--max-mib 60] [--image-has NAME ...]
 
 Run it in the project's venv. It walks the installed metadata from our direct dependencies
-(pyproject.toml's runtime set, minus vLLM) to the full set of distributions they need, drops those
+(pyproject.toml's `dependencies`; vLLM is an extra and stays behind) to the full set of distributions they need, drops those
 the machine's image already has (`--image-has`; the default is what the device tool's H200 image
 holds: torch, transformers and their own dependencies, plus a few heavy packages seen there),
 downloads the rest as cp312 manylinux wheels at the versions installed here, adds the demo's asset
@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tomllib
 from importlib import metadata
 from pathlib import Path
 
@@ -29,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tasks import demo_assets  # noqa: E402
 
-ROOTS = ["prefect", "speculators", "datasets", "pydantic", "pydantic-settings", "gguf", "xxhash", "safetensors"]
 # The H200 image (device tool, 2026-12-04): torch 2.11 and transformers 5.17 with their dependencies,
 # and these, seen importable there; everything else travels.
 IMAGE_ROOTS = ["torch", "transformers", "accelerate", "numpy", "safetensors", "tokenizers", "huggingface-hub",
@@ -79,7 +79,9 @@ def main() -> None:
     p.add_argument("--image-has", nargs="*", default=IMAGE_ROOTS, help="distributions the machine already has")
     a = p.parse_args()
 
-    needed = closure(ROOTS) - (closure(a.image_has) - set(FORCED)) | set(FORCED)
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    ours = [Requirement(r).name for r in pyproject["project"]["dependencies"]]
+    needed = closure(ours) - (closure(a.image_has) - set(FORCED)) | set(FORCED)
     pins = []
     for name in sorted(needed):
         if name.startswith("nvidia-") or name in ("torch", "triton", "torchvision", "torchaudio"):
