@@ -28,13 +28,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.record import record  # noqa: E402
 from bench.train_speed import in_fresh_process  # noqa: E402
-from tasks.extract import ExtractJob, run_extraction  # noqa: E402
-from tasks.prepare import prepare  # noqa: E402
-from tasks.shards import ShardReader  # noqa: E402
-from tasks.acceptance import simulated_acceptance_length  # noqa: E402
-from tasks.train import TrainJob, run_training  # noqa: E402
-from tasks.train_eval import evaluate_draft  # noqa: E402
+from tasks.extract.shards import ShardReader  # noqa: E402
+from tasks.extract.stage import ExtractJob, run_extraction  # noqa: E402
+from tasks.prepare.stage import prepare  # noqa: E402
+from tasks.train.acceptance import simulated_acceptance_length  # noqa: E402
+from tasks.train.evaluation import evaluate_draft  # noqa: E402
+from tasks.train.job import TrainJob  # noqa: E402
+from tasks.train.stage import run_training  # noqa: E402
 from tasks.vocab import build_vocab  # noqa: E402
 
 AUX = [2, 15, 27]
@@ -70,7 +72,7 @@ def to_speculators_layout(manifest: Path, prepared_path: str, out: Path) -> Path
     from datasets import Dataset
     from safetensors.torch import save_file
 
-    from tasks.prepare import load_prepared
+    from tasks.prepare.dataset import load_prepared
 
     reader = ShardReader(manifest)
     data = load_prepared(prepared_path)
@@ -117,6 +119,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--answer-tokens", type=int, default=256)
     p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--record", action="store_true",
+                   help="replace acceptance_vs_speculators in docs/benchmarks.json (bench/record.py)")
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     work, out = Path(a.work), Path(a.out)
@@ -125,7 +129,7 @@ def main() -> None:
     t0 = time.perf_counter()
     timings = {}
     if a.gguf and not Path(a.verifier, "config.json").is_file():
-        from tasks.demo_assets import convert_gguf
+        from tasks.common.demo_assets import convert_gguf
 
         Path(a.verifier).mkdir(parents=True, exist_ok=True)
         convert_gguf(Path(a.gguf), Path(a.verifier))
@@ -184,6 +188,10 @@ def main() -> None:
     }
     (out / "acceptance.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
+    if a.record:
+        record({"acceptance_vs_speculators": {
+            "value": result["acceptance_vs_speculators"], "unit": "ratio of simulated acceptance lengths (MT-Bench, k=3)",
+            "run": {k: v for k, v in result.items() if k != "draft_parts"}}})
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
     python bench/cluster_plan.py                       # Kimi-K2.5-class: hidden 7168, 61 layers, 547 GB
     python bench/cluster_plan.py --conversations 100000 --tokens 2048 --nodes 1 4 16
 
-The shards come from `tasks.extract_plan.plan_shards` on stand-in rows of the given length (only
+The shards come from `tasks.extract.plan.plan_shards` on stand-in rows of the given length (only
 their lengths shape the plan), the bytes and host buffers from `ExtractionPlan`, as the extract
 stage prints them. One rank per node (vLLM TP=8 over the node's 8 GPUs); shard i goes to rank
 i % nodes. The time of a node is its tokens over the slower of two rates, both given on the command
@@ -24,8 +24,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tasks.extract_plan import ExtractionPlan, plan_shards  # noqa: E402
-from tasks.progress import format_seconds  # noqa: E402
+from tasks.common.progress import format_seconds  # noqa: E402
+from tasks.extract.plan import ExtractionPlan, plan_shards  # noqa: E402
 
 
 class Rows:

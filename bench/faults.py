@@ -23,7 +23,7 @@ Kinds (`--kinds`, default all):
   completes, identical). Needs permission to mount (root); skipped with a note otherwise.
 - concurrent: two runs of one config on one folder at once, for extraction, training and the flow.
 
-The same functions run a few trials of each kind in CI (tests/test_faults.py). This file is the entry point;
+The same functions run a few trials of each kind in CI (tests/pipeline/test_faults.py). This file is the entry point;
 the suite's parts are in bench/fault_injection/ (the stages as processes, comparing outputs, the trial kinds,
 the report).
 """
@@ -41,8 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.fault_injection.kinds import (  # noqa: E402
-    Trial, concurrent_trials, damage_trials, disk_trials, kill_trials)
+from bench.fault_injection.kinds import Trial, concurrent_trials, damage_trials, disk_trials, kill_trials  # noqa: E402
 from bench.fault_injection.report import from_logs, markdown, summarize, write_figures  # noqa: E402
 from bench.fault_injection.stages import Inputs, log, stage_main  # noqa: E402
 

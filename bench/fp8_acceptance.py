@@ -27,14 +27,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tasks.demo_assets import ensure_asset  # noqa: E402
-from tasks.extract import ExtractJob, run_extraction  # noqa: E402
-from tasks.prepare import prepare  # noqa: E402
-from tasks.shards import ShardReader  # noqa: E402
-from tasks.acceptance import simulated_acceptance_length  # noqa: E402
-from tasks.train import TrainJob, run_training  # noqa: E402
-from tasks.train_data import split_indices  # noqa: E402
-from tasks.train_eval import evaluate_draft  # noqa: E402
+from bench.record import record  # noqa: E402
+from tasks.common.demo_assets import ensure_asset  # noqa: E402
+from tasks.extract.shards import ShardReader  # noqa: E402
+from tasks.extract.stage import ExtractJob, run_extraction  # noqa: E402
+from tasks.prepare.stage import prepare  # noqa: E402
+from tasks.train.acceptance import simulated_acceptance_length  # noqa: E402
+from tasks.train.data import split_indices  # noqa: E402
+from tasks.train.evaluation import evaluate_draft  # noqa: E402
+from tasks.train.job import TrainJob  # noqa: E402
+from tasks.train.stage import run_training  # noqa: E402
 from tasks.vocab import build_vocab  # noqa: E402
 
 K = 3
@@ -66,6 +68,8 @@ def main() -> None:
     p.add_argument("--draft-vocab", type=int, default=4096)
     p.add_argument("--val-fraction", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--record", action="store_true",
+                   help="replace fp8_acceptance_over_bf16 in docs/benchmarks.json (bench/record.py)")
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     work, out = Path(a.work), Path(a.out)
@@ -115,6 +119,9 @@ def main() -> None:
     }
     (out / "fp8_acceptance.json").write_text(json.dumps(report, indent=1))
     print(json.dumps(report))
+    if a.record:
+        record({"fp8_acceptance_over_bf16": {"value": report["fp8_acceptance_over_bf16"],
+                                             "unit": "ratio of simulated acceptance lengths", "run": report}})
 
 
 if __name__ == "__main__":

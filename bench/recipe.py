@@ -40,14 +40,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.acceptance import answer_mtbench, split_for_return  # noqa: E402
 from flows.cli import parse_overrides  # noqa: E402
-from tasks.config import TrainSettings  # noqa: E402
-from tasks.extract import ExtractJob, run_extraction  # noqa: E402
-from tasks.folder_lock import held_by_live_process  # noqa: E402
-from tasks.prepare import prepare  # noqa: E402
-from tasks.tracking import read_metrics  # noqa: E402
-from tasks.acceptance import simulated_acceptance_length  # noqa: E402
-from tasks.train import TrainJob, run_training  # noqa: E402
-from tasks.train_eval import evaluate_draft  # noqa: E402
+from tasks.common.config import TrainSettings  # noqa: E402
+from tasks.common.folder_lock import held_by_live_process  # noqa: E402
+from tasks.extract.stage import ExtractJob, run_extraction  # noqa: E402
+from tasks.prepare.stage import prepare  # noqa: E402
+from tasks.train.acceptance import simulated_acceptance_length  # noqa: E402
+from tasks.train.evaluation import evaluate_draft  # noqa: E402
+from tasks.train.job import TrainJob  # noqa: E402
+from tasks.train.stage import run_training  # noqa: E402
+from tasks.train.tracking import read_metrics  # noqa: E402
 
 K = 3  # vLLM's num_speculative_tokens in the validation stage
 # How long the run's train folder may stay unlocked before its training counts as failed: the

@@ -8,7 +8,7 @@ generation of ShareGPT first turns, side by side in one process.
   --dynamic-prompts prompts only (it is slow).
 - `static`: the pipeline's `TransformersGenerator` (length-sorted fixed-shape batches over static
   KV caches of a few sizes, the decoding step compiled once per size with CUDA graphs, attention
-  reading each KV head once: tasks/decode_attention.py).
+  reading each KV head once: tasks/prepare/decode_attention.py).
 - `static-sdpa`: the same with transformers' own SDPA attention (with a padding mask it copies the
   KV heads for every query head at every step): what the folded attention saves.
 - `continuous`: transformers' continuous batching (`generate_batch`: paged KV cache, finished
@@ -31,9 +31,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tasks.chat_data import Dropped, normalize, read_rows  # noqa: E402
-from tasks.config import RegenerateSettings  # noqa: E402
-from tasks.generators import TransformersGenerator  # noqa: E402
+from tasks.common.config import RegenerateSettings  # noqa: E402
+from tasks.prepare.chat_data import Dropped, normalize, read_rows  # noqa: E402
+from tasks.prepare.generators import TransformersGenerator  # noqa: E402
 
 
 def first_turn_prompts(tokenizer, data: str, limit: int, max_prompt_len: int) -> list[list[int]]:

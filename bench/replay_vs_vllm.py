@@ -6,7 +6,7 @@ when it measured the draft, and print chained, replayed and measured side by sid
 VALIDATION_DIR is a validation stage's folder (or bench/validate_returned_draft.py's): its
 `reference.json` holds vLLM's greedy token ids for the MT-Bench first turns, its `report.json` the
 measured acceptance. The answers are prepared with the verifier's chat template, extracted with the
-transformers backend and scored with tasks.train_eval.evaluate_draft (k=3).
+transformers backend and scored with tasks.train.evaluation.evaluate_draft (k=3).
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from transformers import AutoTokenizer  # noqa: E402
 
-from tasks.demo_assets import ensure_asset  # noqa: E402
-from tasks.extract import ExtractJob, run_extraction  # noqa: E402
-from tasks.prepare import prepare  # noqa: E402
-from tasks.acceptance import simulated_acceptance_length  # noqa: E402
-from tasks.train_eval import evaluate_draft  # noqa: E402
+from tasks.common.demo_assets import ensure_asset  # noqa: E402
+from tasks.extract.stage import ExtractJob, run_extraction  # noqa: E402
+from tasks.prepare.stage import prepare  # noqa: E402
+from tasks.train.acceptance import simulated_acceptance_length  # noqa: E402
+from tasks.train.evaluation import evaluate_draft  # noqa: E402
 
 K = 3
 

@@ -5,11 +5,11 @@
     python bench/scaling.py --gpus 1            # one GPU: two identical runs, the noise floor of the ratios
 
 Both halves run the pipeline's own multi-process code, not a copy of it:
-- extraction: `tasks.extract.run_extraction` with `workers` = 1, then `--gpus` (one process per GPU,
+- extraction: `tasks.extract.stage.run_extraction` with `workers` = 1, then `--gpus` (one process per GPU,
   shards by rank, one output folder), each run verified in full (every sample once, checksums) and
   the two outputs compared shard by shard. Rate: tokens over the longest worker's extraction time
   (from model loaded to last batch); `wall_s` adds loading and verification, which GPUs do not speed up;
-- training: `tasks.train.run_training` with `nproc` = 1 and `grad_accum_steps` = `--gpus`, then
+- training: `tasks.train.stage.run_training` with `nproc` = 1 and `grad_accum_steps` = `--gpus`, then
   torchrun with `nproc` = `--gpus` and no accumulation: the same global batch and samples per step.
   Rate: median tokens/s of the steady-state windows; the loss of both runs at the last step.
 
@@ -35,11 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from extract_efficiency import LLAMA_8B, random_prepared  # noqa: E402
 from train_speed import TINY  # noqa: E402
 
-from tasks.extract import ExtractJob, run_extraction  # noqa: E402
-from tasks.subprocess_runs import ProgressFile  # noqa: E402
-from tasks.shards import read_manifest  # noqa: E402
-from tasks.tracking import read_metrics  # noqa: E402
-from tasks.train import TrainJob, run_training  # noqa: E402
+from tasks.common.workers import ProgressFile  # noqa: E402
+from tasks.extract.shards import read_manifest  # noqa: E402
+from tasks.extract.stage import ExtractJob, run_extraction  # noqa: E402
+from tasks.train.job import TrainJob  # noqa: E402
+from tasks.train.stage import run_training  # noqa: E402
+from tasks.train.tracking import read_metrics  # noqa: E402
 from tasks.vocab import build_vocab  # noqa: E402
 
 

@@ -34,13 +34,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tasks.extract import write_manifest  # noqa: E402
-from tasks.extract_plan import ExtractionPlan, bf16_matmul_peak, plan_shards  # noqa: E402
-from tasks.shard_writer import extract_shards  # noqa: E402
-from tasks.prepare import load_prepared  # noqa: E402
-from tasks.shards import ShardReader  # noqa: E402
-from tasks.tracking import read_metrics  # noqa: E402
-from tasks.train import TrainJob, train_worker  # noqa: E402
+from bench.record import record  # noqa: E402
+from tasks.extract.plan import ExtractionPlan, bf16_matmul_peak, plan_shards  # noqa: E402
+from tasks.extract.shards import ShardReader  # noqa: E402
+from tasks.extract.stage import write_manifest  # noqa: E402
+from tasks.extract.writer import extract_shards  # noqa: E402
+from tasks.prepare.dataset import load_prepared  # noqa: E402
+from tasks.train.job import TrainJob  # noqa: E402
+from tasks.train.loop import train_worker  # noqa: E402
+from tasks.train.tracking import read_metrics  # noqa: E402
 from tasks.vocab import build_vocab  # noqa: E402
 
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -90,7 +92,7 @@ def make_data(root: Path, verifier: Path, shape: dict, samples: int, seq_len: in
     Dataset.from_dict({"sample_id": [f"s{i}" for i in range(samples)], "input_ids": ids, "loss_mask": masks,
                        "seq_len": lengths}).save_to_disk(str(prepared_dir / "data"))
     prepared = load_prepared(prepared_dir)
-    from tasks.verifier import inspect_verifier, verifier_fingerprint
+    from tasks.common.verifier import inspect_verifier, verifier_fingerprint
 
     info = inspect_verifier(verifier)
     layers = AUX(info.num_layers) + [info.num_layers]
@@ -215,6 +217,8 @@ def main() -> None:
                    help="profile this many of our steady-state steps (train.profile_steps; the median is over the rest)")
     p.add_argument("--ours-only", action="store_true",
                    help="skip speculators' Trainer (e.g. to profile our loop alone): no ratio is reported")
+    p.add_argument("--record", action="store_true",
+                   help="replace train_speed_vs_speculators (both trainers must run) in docs/benchmarks.json (bench/record.py)")
     p.add_argument("--trainer", choices=["ours", "speculators"], help=argparse.SUPPRESS)  # the worker processes
     a = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -247,7 +251,7 @@ def main() -> None:
     peak = bf16_matmul_peak(device)
     for result in filter(None, (ours, speculators_result)):
         result["train_mfu"] = round(result["tokens_per_s"] * flops / peak, 3)
-    print(json.dumps({
+    report = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "draft_gflops_per_token": round(flops / 1e9, 3), "matmul_peak_tflops": round(peak / 1e12, 1),
         "verifier_shape": "Llama-3.1-8B" if not a.tiny else "tiny", "samples": a.samples, "seq_len": a.seq_len,
@@ -256,7 +260,13 @@ def main() -> None:
         "train_speed_vs_speculators": round(ours["tokens_per_s"] / speculators_result["tokens_per_s"], 3)
         if speculators_result else None,
         "torch": torch.__version__,
-    }))
+    }
+    print(json.dumps(report))
+    if a.record and speculators_result:
+        record({"train_speed_vs_speculators": {
+            "value": report["train_speed_vs_speculators"], "unit": "ratio of steady-state tokens/s",
+            "ours_tokens_per_s": ours["tokens_per_s"], "speculators_tokens_per_s": speculators_result["tokens_per_s"],
+            "run": report}})
 
 
 if __name__ == "__main__":

@@ -19,9 +19,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tasks.config import ValidationSettings  # noqa: E402
-from tasks.demo_assets import ensure_asset  # noqa: E402
-from tasks.validate import validate  # noqa: E402
+from bench.record import record  # noqa: E402
+from tasks.common.config import ValidationSettings  # noqa: E402
+from tasks.common.demo_assets import ensure_asset  # noqa: E402
+from tasks.validate.stage import validate  # noqa: E402
 
 
 def reassemble(returned: Path, draft: Path, verifier: Path) -> Path:
@@ -39,6 +40,9 @@ def main() -> None:
     p.add_argument("returned")
     p.add_argument("--prompts", type=int, default=80)
     p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--record", metavar="FIGURE",
+                   help="replace FIGURE (e.g. preset_vllm_acceptance_length) in docs/benchmarks.json (bench/record.py)")
+    p.add_argument("--trained", default="", help="with --record: how and where the draft was trained (the command)")
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     returned = Path(a.returned)
@@ -55,6 +59,13 @@ def main() -> None:
                       "vllm_per_position_acceptance": result.per_position_acceptance,
                       "simulated_acceptance_length_mtbench": simulated,
                       "identical_outputs": result.identical_outputs, "report": result.report_markdown}))
+    if a.record:
+        record({a.record: {"value": round(result.mean_acceptance_length, 3),
+                           "unit": "mean acceptance length (tokens per verifier step), k=3",
+                           "per_position_acceptance": [round(x, 3) for x in result.per_position_acceptance],
+                           "identical_greedy_outputs": f"{result.identical_outputs}",
+                           "prompts": f"{a.prompts} MT-Bench first turns, {a.max_new_tokens} new tokens, greedy, k=3",
+                           "mtbench_chained": simulated, "trained": a.trained}})
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 PREFECT_HOME is set, Prefect's database and result store live in `<output_dir>/.prefect`, so runs
 of one output folder share a cache and nothing leaks into ~/.prefect.
 `config` prints the validated config (`--json`: one line, for `prefect deployment run --param`);
-`plan` sizes a run on any machine (tasks/sizing.py); `prune-shards` frees stale shards.
+`plan` sizes a run on any machine (tasks/extract/sizing.py); `prune-shards` frees stale shards.
 
 Exit status: 0 done; 2 a problem a retry cannot fix (a bad config, a missing or empty input, an
 unwritable output folder, a deterministic failure in a stage), named in one `error:` line; 1 a
@@ -25,10 +25,10 @@ from pathlib import Path
 import yaml
 
 from flows.prefect_env import use_private_prefect_home
-from tasks.config import ConfigError, load_config
-from tasks.demo_assets import resolve_config
-from tasks.errors import PermanentError, describe, is_deterministic
-from tasks.folder_lock import FolderLockedError, folder_lock
+from tasks.common.config import ConfigError, load_config
+from tasks.common.demo_assets import resolve_config
+from tasks.common.errors import PermanentError, describe, is_deterministic
+from tasks.common.folder_lock import FolderLockedError, folder_lock
 from tasks.preflight import check_before_run, check_data, check_writable
 
 
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     prune.add_argument("--keep", metavar="MANIFEST", help="keep only this manifest's shards (and manifest)")
     args = parser.parse_args(argv)
     if args.command == "prune-shards":
-        from tasks.shards import prune as prune_shards
+        from tasks.extract.shards import prune as prune_shards
 
         files, freed = prune_shards(args.folder, args.keep)
         print(f"removed {files} shard files, {freed / 1e9:.2f} GB freed")
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_plan(config, gpu_tflops: float | None, as_json: bool) -> int:
     """The checks a plan can make without weights (data, output folder), then the plan."""
-    from tasks.sizing import H100_BF16_TFLOPS, size_run
+    from tasks.extract.sizing import H100_BF16_TFLOPS, size_run
 
     check_data(config)
     check_writable(Path(config.output_dir), "output_dir")

@@ -9,9 +9,10 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.ray_stages import cluster_for_run
-from flows.stages import extract_task, prepare_task, result_storage, run_name, train_task, validate_task, vocab_task
-from tasks.config import PipelineConfig
-from tasks.demo_assets import resolve_config
+from flows.stages import extract_task, prepare_task, train_task, validate_task, vocab_task
+from flows.task_support import result_storage, run_name
+from tasks.common.config import PipelineConfig
+from tasks.common.demo_assets import resolve_config
 from tasks.preflight import check_before_run
 
 

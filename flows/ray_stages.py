@@ -6,14 +6,14 @@ cluster, through prefect-ray's `RayTaskRunner`. Design and a worked plan: docs/S
                                writes, read by a probe task pinned to each node)
     extract_on_ray             the plan here; one `extract-rank` task per rank, each requesting the
                                accelerators its backend needs and running the same worker process
-                               as a local run (`python -m tasks.extract --rank r --world-size N`)
+                               as a local run (`python -m tasks.extract.stage --rank r --world-size N`)
                                into the shared folder; then one task verifies the folder and writes
                                the manifest
     regenerate_on_ray          the same shape for answer regeneration (prepare's first step):
                                one `regenerate-rank` task per rank (chunk c by rank c % N), then
                                one task writes the conversations file in source order
 
-While the ranks run, the flow's process holds the stage folder's lock (tasks/folder_lock.py): a
+While the ranks run, the flow's process holds the stage folder's lock (tasks/common/folder_lock.py): a
 second run on the folder is refused, as locally.
 
 A rank's task retries a transient failure alone, on its node, resuming from its finished shards
@@ -40,15 +40,15 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
-from flows.stages import GPU_STAGE, ProgressArtifact
-from tasks.config import ClusterSettings, PipelineConfig
-from tasks.errors import PermanentError
-from tasks.extract import ExtractJob, ExtractResult, load_inputs, run_extraction
-from tasks.extract_plan import check_disk, make_plan
-from tasks.folder_lock import folder_lock
-from tasks.progress import ProgressCallback, ProgressEvent
-from tasks.regenerate import RegenerateJob, write_regenerated
-from tasks.subprocess_runs import follow, run_processes, worker_command, write_job_file
+from flows.task_support import GPU_STAGE, ProgressArtifact
+from tasks.common.config import ClusterSettings, PipelineConfig
+from tasks.common.errors import PermanentError
+from tasks.common.folder_lock import folder_lock
+from tasks.common.progress import ProgressCallback, ProgressEvent
+from tasks.common.workers import follow, run_processes, worker_command, write_job_file
+from tasks.extract.plan import check_disk, make_plan
+from tasks.extract.stage import ExtractJob, ExtractResult, load_inputs, run_extraction
+from tasks.prepare.regenerate import RegenerateJob, write_regenerated
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +231,7 @@ def extract_on_ray(cluster: ClusterSettings, job: ExtractJob, *, on_plan=None,
     if plan.pending:
         accelerators = s.tensor_parallel_size if s.backend == "vllm" else 1
         with folder_lock(out_dir, "extraction"), ray_runner(cluster) as runner:
-            run_ranks(runner, cluster, "extract", "tasks.extract", job, rank_count(cluster, accelerators),
+            run_ranks(runner, cluster, "extract", "tasks.extract.stage", job, rank_count(cluster, accelerators),
                       accelerators, report)
     extract_s = time.monotonic() - t_extract
     verified = verify_extraction_task(job)
@@ -261,7 +261,7 @@ def regenerate_on_ray(cluster: ClusterSettings, job: RegenerateJob, *,
     with folder_lock(job.out_dir, "regeneration"):
         with ray_runner(cluster) as runner:
             ranks = rank_count(cluster, accelerators)
-            run_ranks(runner, cluster, "regenerate", "tasks.regenerate", job, ranks, accelerators, callback)
+            run_ranks(runner, cluster, "regenerate", "tasks.prepare.regenerate", job, ranks, accelerators, callback)
         return merge_regenerated_task(job, ranks)
 
 

@@ -3,7 +3,7 @@
 A run that would fail on a missing folder, an unreadable file, an empty data source, an
 unwritable output folder or auxiliary layers outside the verifier's depth fails here, in a
 second, with one message naming the problem, instead of minutes later in a stage (and its
-retries). Takes a config whose `demo://` paths are resolved (tasks/demo_assets.py).
+retries). Takes a config whose `demo://` paths are resolved (tasks/common/demo_assets.py).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import os
 import tempfile
 from pathlib import Path
 
-from tasks.chat_data import source_files
-from tasks.errors import PermanentError
-from tasks.verifier import TOKENIZER_FILES, inspect_verifier
+from tasks.common.errors import PermanentError
+from tasks.common.verifier import TOKENIZER_FILES, inspect_verifier
+from tasks.prepare.chat_data import source_files
 
 
 class PreflightError(PermanentError, ValueError):

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
-from tasks.prepare import load_prepared
-from tasks.verifier import inspect_verifier
+from tasks.common.verifier import inspect_verifier
+from tasks.prepare.dataset import load_prepared
 
 log = logging.getLogger(__name__)
 

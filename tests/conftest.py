@@ -1,10 +1,11 @@
-"""Shared fixtures: the real demo model and data (built once per machine, see tasks/demo_assets.py)."""
+"""Shared fixtures: the real demo model and data (built once per machine, see tasks/common/demo_assets.py),
+and what more than one stage's tests use."""
 
 from __future__ import annotations
 
 import pytest
 
-from tasks.demo_assets import ensure_asset
+from tasks.common.demo_assets import ensure_asset
 
 
 @pytest.fixture(scope="session")
@@ -24,6 +25,27 @@ def mtbench() -> str:
 
 @pytest.fixture(scope="session")
 def tokenizer(smollm2):
-    from tasks.prepare import load_tokenizer
+    from tasks.prepare.stage import load_tokenizer
 
     return load_tokenizer(smollm2)
+
+
+@pytest.fixture(scope="session")
+def vllm_prepared(smollm2, sharegpt, tmp_path_factory):
+    from tasks.prepare.stage import prepare
+
+    return prepare(smollm2, [sharegpt], tmp_path_factory.mktemp("vllm-prep"), max_seq_len=256, max_rows=24)
+
+
+@pytest.fixture(scope="session")
+def vllm_extractions(vllm_prepared, smollm2, tmp_path_factory):
+    """The same samples extracted by vLLM and by transformers: compared in tests/extract; the vLLM
+    states train the draft that tests/validate serves."""
+    from tasks.extract.stage import ExtractJob, run_extraction
+
+    root = tmp_path_factory.mktemp("vllm-hs")
+    settings = {"batch_tokens": 2048, "shard_tokens": 3000}
+    prepared = vllm_prepared
+    return {backend: run_extraction(ExtractJob(prepared.path, prepared.fingerprint, smollm2, str(root / backend),
+                                               settings={**settings, "backend": backend}), in_process=True)
+            for backend in ("vllm", "transformers")}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tasks.chat_data import Dropped, read_rows
-from tasks.config import PipelineConfig
+from tasks.common.config import PipelineConfig
+from tasks.prepare.chat_data import Dropped, read_rows
 
 
 def write_sample_data(sharegpt: str, path: Path, rows: int) -> Path:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from tasks.verifier import TOKENIZER_FILES
+from tasks.common.verifier import TOKENIZER_FILES
 
 VISION = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
           "image_size": 32, "patch_size": 8}

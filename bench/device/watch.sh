@@ -1,6 +1,7 @@
 # On the GPU machine: wait up to $1 s for the job (or until /tmp/job.log matches $2), show its
 # progress, and put the results under $OUT: one small tarball (logs, reports, metrics, profiles,
-# recipe scores) and a returned draft's parts (bench/recipe.py --return --out /tmp/recipe-out).
+# recipe scores, docs/benchmarks*.json* as benches with --record left them) and a returned draft's
+# parts (bench/recipe.py --return --out /tmp/recipe-out).
 set -u
 end=$(( $(date +%s) + ${1:-500} ))
 until [ -f /tmp/job.done ] || [ "$(date +%s)" -ge $end ] || { [ -n "${2:-}" ] && grep -q "${2:-}" /tmp/job.log; }; do
@@ -12,7 +13,8 @@ nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader; df -h 
 { find /tmp/runs -maxdepth 4 \( -name 'report.json' -o -name 'result.json' -o -name 'metrics.jsonl' \
     -o -name 'manifest-*.json' \) -size -4M 2>/dev/null
   find /tmp/train-speed-bench /tmp/recipe-out -type f -size -8M \( -name 'profile*' -o -name '*.json' \) 2>/dev/null
-  ls /tmp/bench_*.log /tmp/job.log; } > /tmp/results.list 2>/dev/null
+  ls /tmp/bench_*.log /tmp/job.log
+  ls /tmp/repo/docs/benchmarks.json /tmp/repo/docs/benchmarks-history.jsonl; } > /tmp/results.list 2>/dev/null  # --record's figures
 tar -czf "$OUT/results.tgz" -T /tmp/results.list 2>/dev/null; ls -la "$OUT/results.tgz"
 cp /tmp/recipe-out/draft.safetensors.part* "$OUT/" 2>/dev/null
 # A finished regeneration comes back once (its journal and reports, in parts): the slowest stage

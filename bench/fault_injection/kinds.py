@@ -79,7 +79,7 @@ def kill_trials(inputs: Inputs, kind: str, kills: int, rng: random.Random) -> li
 
 def damage_cases(inputs: Inputs) -> dict[str, tuple[Callable[[Path], Path], int]]:
     """name -> (damage the folder, returning the file a reader must name; shards extraction redoes)."""
-    from tasks.extract import ExtractJob, run_extraction
+    from tasks.extract.stage import ExtractJob, run_extraction
 
     def other_layers() -> Path:  # a shard of an extraction with other layers (made once, when first needed)
         other = inputs.work / "other-layers"
@@ -132,8 +132,9 @@ def damage_cases(inputs: Inputs) -> dict[str, tuple[Callable[[Path], Path], int]
 def damage_trials(inputs: Inputs, only: list[str] | None = None) -> list[Trial]:
     """Each damage to a copy of the complete reference extraction: training must refuse the folder
     naming the file (where training reads it), then extraction must redo only what is needed."""
-    from tasks.shards import ShardError
-    from tasks.train import TrainJob, run_training
+    from tasks.extract.shards import ShardError
+    from tasks.train.job import TrainJob
+    from tasks.train.stage import run_training
 
     ref_out, _ = inputs.reference("extract-1")
     manifest = next(ref_out.glob("manifest-*.json"))

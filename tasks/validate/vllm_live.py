@@ -1,0 +1,153 @@
+"""Live validation: the verifier served by vLLM with the draft, greedy, on held-out prompts.
+
+Each engine runs in its own subprocess (`python -m tasks.validate.vllm_live`, launched and followed
+by tasks/common/workers.py): vLLM's engine processes, memory and any crash stay there; its output
+goes to a log file next to its result, and its progress (starting the engine, generating) to the
+log. The draft is always given in the explicit form
+`{"method": "eagle3", "model": <draft>, "num_speculative_tokens": k}` (without "method", vLLM
+guesses it from the path; vLLM 0.33 refuses the auto path with a local verifier). Acceptance is
+read from vLLM's own spec-decode counters (`LLM.get_metrics()`):
+- mean acceptance length = 1 + accepted / drafts (the bonus token included);
+- per-position acceptance = accepted at position i / drafts; draft acceptance rate = accepted / drafted.
+A run without the draft gives the reference greedy outputs: speculative decoding must not change them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from tasks.common.progress import Heartbeat, ProgressCallback
+from tasks.common.workers import progress_file_callback, reporting_errors, run_processes
+
+log = logging.getLogger(__name__)
+
+
+def mtbench_prompts(path: str | Path, tokenizer, limit: int) -> list[list[int]]:
+    """First turns of MT-Bench-style JSONL (`turns`, or `prompt`/`text`) through the chat template."""
+    prompts = []
+    for line in Path(path).read_text().splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        text = row["turns"][0] if "turns" in row else row.get("prompt") or row.get("text")
+        prompts.append(tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                     add_generation_prompt=True, tokenize=True)["input_ids"])
+        if len(prompts) == limit:
+            break
+    if not prompts:
+        raise ValueError(f"no prompts in {path}")
+    return prompts
+
+
+def spec_decode_counters(llm) -> dict:
+    from vllm.v1.metrics.reader import Counter, Vector
+
+    drafts = drafted = accepted = 0
+    per_position: list[float] = []
+    for metric in llm.get_metrics():
+        if metric.name == "vllm:spec_decode_num_drafts" and isinstance(metric, Counter):
+            drafts += metric.value
+        elif metric.name == "vllm:spec_decode_num_draft_tokens" and isinstance(metric, Counter):
+            drafted += metric.value
+        elif metric.name == "vllm:spec_decode_num_accepted_tokens" and isinstance(metric, Counter):
+            accepted += metric.value
+        elif metric.name == "vllm:spec_decode_num_accepted_tokens_per_pos" and isinstance(metric, Vector):
+            per_position = [a + b for a, b in zip(per_position or [0] * len(metric.values), metric.values, strict=True)]
+    return {
+        "drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+        "per_position_acceptance": [a / drafts for a in per_position] if drafts else [],
+        "draft_acceptance_rate": accepted / drafted if drafted else None,
+    }
+
+
+def serve_once(verifier: str, draft: str | None, prompts: list[list[int]], k: int, max_new_tokens: int,
+               callback: ProgressCallback | None = None) -> dict:
+    """One engine, greedy generation of every prompt; runs inside the subprocess. Starting the
+    engine and generating take a minute each on a CPU: both report a heartbeat to `callback`."""
+    what = "verifier + draft" if draft else "verifier alone"
+    t0 = time.monotonic()
+    with Heartbeat(f"vLLM: starting the engine ({what})", callback):
+        import torch
+        from vllm import LLM, SamplingParams, TokensPrompt
+
+        from tasks.common.verifier import inspect_verifier
+        from tasks.common.vllm_support import check_architecture
+
+        check_architecture(inspect_verifier(verifier))  # names what vLLM lacks for it
+        on_cpu = not torch.cuda.is_available()
+        llm = LLM(
+            model=verifier, dtype="bfloat16", seed=0, enforce_eager=on_cpu, disable_log_stats=False,
+            max_model_len=max(len(p) for p in prompts) + max_new_tokens + k + 1,
+            speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": k} if draft else None,
+        )
+    init_s = time.monotonic() - t0
+    t0 = time.monotonic()
+    with Heartbeat(f"vLLM: generating {len(prompts)} prompts, up to {max_new_tokens} tokens each ({what})", callback):
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                               SamplingParams(temperature=0.0, max_tokens=max_new_tokens), use_tqdm=False)
+    generate_s = time.monotonic() - t0
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    result = {"draft": draft, "init_s": round(init_s, 1), "generate_s": round(generate_s, 2),
+              "generated_tokens": sum(map(len, tokens)), "tokens_per_s": round(sum(map(len, tokens)) / generate_s, 1),
+              "token_ids": tokens}
+    if draft:
+        result["spec_decode"] = spec_decode_counters(llm)
+    return result
+
+
+def run_engine(verifier: str, draft: str | None, prompts_file: Path, k: int, max_new_tokens: int, out: Path) -> dict:
+    # On CPU, vLLM sizes its KV cache from this (GiB) rather than from gpu_memory_utilization. Preloading
+    # Intel OpenMP, which vLLM suggests for speculative decoding on CPU, gained little here and leaves
+    # /dev/shm files behind after each engine exit.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    progress, output = out.with_suffix(".progress.jsonl"), out.with_suffix(".log")
+    cmd = [sys.executable, "-m", "tasks.validate.vllm_live", "--verifier", verifier, "--prompts", str(prompts_file),
+           "--k", str(k), "--max-new-tokens", str(max_new_tokens), "--out", str(out), "--progress-file", str(progress)]
+    if draft:
+        cmd += ["--draft", draft]
+    log.info("vLLM: serving %s %s; its output goes to %s", verifier,
+             f"with draft {draft}" if draft else "alone (reference outputs)", output)
+    run_processes([cmd], [progress], lambda event: log.info("%s", event.describe()), [env], label="vLLM engine",
+                  logs=[output])
+    result = json.loads(out.read_text())
+    log.info("vLLM: engine started in %.0f s; %d tokens generated in %.1f s (%.1f tokens/s)", result["init_s"],
+             result["generated_tokens"], result["generate_s"], result["tokens_per_s"])
+    return result
+
+
+def compare_outputs(reference: list[list[int]], candidate: list[list[int]]) -> dict:
+    identical = sum(a == b for a, b in zip(reference, candidate, strict=True))
+    first_divergence = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                        for a, b in zip(reference, candidate, strict=True) if a != b]
+    return {"prompts": len(reference), "identical": identical, "first_divergence_at": first_divergence}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One vLLM engine: `python -m tasks.validate.vllm_live --verifier V [--draft D] --prompts P.json --out R.json`."""
+    p = argparse.ArgumentParser(prog="python -m tasks.validate.vllm_live", description=main.__doc__)
+    p.add_argument("--verifier", required=True)
+    p.add_argument("--draft")
+    p.add_argument("--prompts", required=True, help="JSON list of token-id lists")
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--out", required=True)
+    p.add_argument("--progress-file")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    prompts = json.loads(Path(a.prompts).read_text())
+    with reporting_errors(a.progress_file):
+        result = serve_once(a.verifier, a.draft, prompts, a.k, a.max_new_tokens,
+                            progress_file_callback(a.progress_file) if a.progress_file else None)
+    Path(a.out).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

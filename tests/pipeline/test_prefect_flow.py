@@ -1,0 +1,184 @@
+"""The flow under real Prefect (ephemeral API): content caching, retries, surviving a killed worker."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+from flow_support import small_config, task_states, write_sample_data
+
+from tasks.vocab import vocab_fingerprint
+
+STAGES = {"prepare", "extract", "vocab", "train", "validate"}
+
+
+@pytest.fixture(scope="module")
+def prefect_api(tmp_path_factory):
+    from prefect.testing.utilities import prefect_test_harness
+
+    home = tmp_path_factory.mktemp("prefect-home")
+    os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    with prefect_test_harness(server_startup_timeout=120):
+        yield home
+
+
+@pytest.fixture(scope="module")
+def workspace(sharegpt, tmp_path_factory):
+    root = tmp_path_factory.mktemp("flow")
+    return root, write_sample_data(sharegpt, root / "chats.jsonl", 14)
+
+
+def run(config):
+    from flows.pipeline import eagle3_pipeline
+
+    state = eagle3_pipeline(config, return_state=True)
+    assert state.is_completed(), state
+    return state.result(), task_states(state.state_details.flow_run_id)
+
+
+def use_cli_prefect_env(monkeypatch, tmp_path) -> None:
+    """What the CLI sets up (it keeps Prefect's files under the outputs), undone after the test."""
+    for name in ("PREFECT_HOME", "PREFECT_RESULTS_LOCAL_STORAGE_PATH", "PREFECT_SERVER_MEMO_STORE_PATH"):
+        monkeypatch.setenv(name, str(tmp_path / "prefect-home" / name.lower()))
+
+
+def test_rerun_is_all_cached_and_edited_data_reruns_what_depends_on_it(prefect_api, workspace, monkeypatch, capsys,
+                                                                       tmp_path):
+    from flows.cli import main
+
+    root, data = workspace
+    config = small_config(root / "out", data)
+    first, states = run(config)
+    assert {name: s for name, (s, _) in states.items()} == {name: "Completed" for name in STAGES}
+    assert first["extracted"].verifier_loaded
+
+    second, states = run(config)
+    assert {name: s for name, (s, _) in states.items()} == {name: "Cached" for name in STAGES}
+    assert second["trained"].draft_path == first["trained"].draft_path
+
+    # the CLI's summary of a cached run says so, with absolute paths and the verifier folder
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config.model_dump()))
+    use_cli_prefect_env(monkeypatch, tmp_path)
+    capsys.readouterr()
+    assert main(["run", str(tmp_path / "run.yaml")]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads(out[out.index("{"): out.rindex("}") + 1])
+    assert summary["verifier"].endswith("smollm2-135m-instruct") and Path(summary["verifier"]).is_dir()
+    assert all(summary[key]["from_cache"] for key in ("prepared", "extracted", "vocab", "trained", "validated"))
+    assert summary["extracted"]["manifest"] == first["extracted"].manifest
+    assert Path(summary["extracted"]["manifest"]).is_absolute()
+
+    with data.open("a") as f:  # one more conversation arrives
+        f.write(json.dumps({"conversations": [{"from": "human", "value": "Name three primary colors."},
+                                              {"from": "gpt", "value": "Red, yellow and blue."}]}) + "\n")
+    third, states = run(config)
+    assert {name: s for name, (s, _) in states.items()} == {name: "Completed" for name in STAGES}
+    extracted = third["extracted"]
+    assert extracted.samples == first["extracted"].samples + 1
+    assert 0 < extracted.shards_extracted < extracted.shards  # earlier shards were reused, not redone
+
+
+def test_transient_failure_succeeds_on_retry(prefect_api, workspace):
+    """The vocab output folder is blocked (as by a stale mount) until the first attempt failed."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName
+
+    from flows.pipeline import eagle3_pipeline
+
+    root, data = workspace
+    config = small_config(root / "out", data, vocab={"draft_vocab_size": 256})
+    prepared = run(small_config(root / "out", data))[0]["prepared"]  # cached: just its fingerprint
+    blocked = root / "out" / "vocab" / vocab_fingerprint(prepared.fingerprint, 256, 49152)[:16]
+    blocked.parent.mkdir(parents=True, exist_ok=True)
+    blocked.write_text("not a folder")
+    released = threading.Event()
+
+    def release_after_first_failure():
+        with get_client(sync_client=True) as client:
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline and not released.is_set():
+                runs = client.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_="vocab")))
+                # a task run can be read before its first state is recorded (state None)
+                if any(r.state is not None and r.state.name == "AwaitingRetry" for r in runs):
+                    blocked.unlink()
+                    released.set()
+                time.sleep(0.2)
+
+    watcher = threading.Thread(target=release_after_first_failure, daemon=True)
+    watcher.start()
+    state = eagle3_pipeline(config, return_state=True)
+    watcher.join(timeout=5)
+    assert released.is_set() and state.is_completed()
+    assert task_states(state.state_details.flow_run_id)["vocab"] == ("Completed", 2)
+
+
+def test_extraction_worker_killed_mid_run_retries_and_resumes(prefect_api, workspace):
+    root, data = workspace
+    config = small_config(root / "out", data, extract={"aux_layers": [3, 14, 26]})
+    journal = root / "out" / "hidden_states" / "journal"
+    killed = []
+
+    def kill_worker_after_first_shard():
+        journal_lines = lambda: sum(len(p.read_text().splitlines()) for p in journal.glob("*.jsonl"))  # noqa: E731
+        before = journal_lines() if journal.is_dir() else 0
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not killed:
+            workers = [p for p in psutil.process_iter(["cmdline"])
+                       if "tasks.extract.stage" in " ".join(p.info["cmdline"] or [])]
+            if workers and journal.is_dir() and journal_lines() > before:
+                os.kill(workers[0].pid, signal.SIGKILL)
+                killed.append(workers[0].pid)
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=kill_worker_after_first_shard, daemon=True)
+    watcher.start()
+    result, states = run(config)
+    watcher.join(timeout=5)
+    assert killed, "the extraction worker finished before it could be killed"
+    assert states["extract"] == ("Completed", 2)
+    extracted = result["extracted"]
+    assert 0 < extracted.shards_extracted < extracted.shards  # the retry kept the shards written before the kill
+    assert extracted.layers == [3, 14, 26, 30]
+
+
+def test_deterministic_worker_error_fails_at_once_and_reaches_the_cli(prefect_api, workspace, smollm2, tmp_path,
+                                                                      monkeypatch, capsys):
+    """A wrapper whose language model transformers does not know passes every check that needs no
+    model, then fails in the extraction worker: the task fails on its first attempt with the
+    worker's exception, and the CLI says so in one line and exits 2."""
+    from prefect import get_client
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    from flows.cli import main
+
+    _, data = workspace
+    verifier = tmp_path / "unknown-language-model"
+    verifier.mkdir()
+    for f in Path(smollm2).iterdir():
+        if f.name != "config.json":
+            os.symlink(f, verifier / f.name)
+    text = json.loads((Path(smollm2) / "config.json").read_text())
+    (verifier / "config.json").write_text(json.dumps({"architectures": ["FooForConditionalGeneration"],
+                                                      "model_type": "foo", "text_config": {**text, "model_type": "foo_text"}}))
+    config = small_config(tmp_path / "out", data, verifier={"path": str(verifier)})
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config.model_dump()))
+    use_cli_prefect_env(monkeypatch, tmp_path)
+
+    assert main(["run", str(tmp_path / "run.yaml")]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "extract failed (not retried" in errors[0], errors
+    assert "VerifierError: " in errors[0] and "does not know the language model" in errors[0]
+    with get_client(sync_client=True) as client:
+        flow_run = client.read_flow_runs(sort=FlowRunSort.START_TIME_DESC, limit=1)[0]
+    states = task_states(flow_run.id)
+    assert states["prepare"][0] == "Completed" and states["extract"] == ("Failed", 1)
+    with get_client(sync_client=True) as client:
+        extract = next(r for r in client.read_task_runs() if r.flow_run_id == flow_run.id and r.name.startswith("extract"))
+    assert "VerifierError" in extract.state.message and "foo_text" in extract.state.message

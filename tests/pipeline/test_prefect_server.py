@@ -1,0 +1,119 @@
+"""The deployments on a real `prefect server start`, a process worker and the UI in headless Chromium."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from flow_support import small_config, write_sample_data
+from pictures import colour_pixels
+from prefect_stack import PrefectStack, chromium
+
+from tasks.common.plots import TRAIN, VAL
+
+ROOT = Path(__file__).resolve().parents[2]
+STAGES = ["prepare", "extract", "vocab", "train", "validate"]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    stack = PrefectStack(home=tmp_path_factory.mktemp("prefect-server"), project=ROOT)
+    try:
+        stack.start()
+        stack.cli("work-pool", "create", "eagle3", "--type", "process")
+        stack.cli("concurrency-limit", "create", "gpu", "1")
+        stack.cli("--no-prompt", "deploy", "--all")
+        stack.spawn("worker", "worker", "start", "--pool", "eagle3")
+        yield stack
+    finally:
+        stack.stop()
+        for proc in stack.processes:
+            assert proc.poll() is not None, f"process {proc.args[:3]} still running"
+
+
+def deployment_run(stack: PrefectStack, name: str, config) -> tuple[str | None, str]:
+    param = json.dumps(config if isinstance(config, dict) else config.model_dump(mode="json"))
+    proc = stack.cli("deployment", "run", f"eagle3-draft/{name}", "--param", f"config={param}", "--watch",
+                     "--watch-timeout", "900", check=False)
+    output = proc.stdout + proc.stderr
+    ids = [line.split()[-1] for line in output.splitlines() if "UUID:" in line]
+    return (ids[0] if ids else None), output
+
+
+def states(stack: PrefectStack, flow_run_id: str) -> dict[str, str]:
+    runs = stack.post("/task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}}})
+    return {r["name"].rsplit("-", 1)[0]: r["state_name"] for r in runs}
+
+
+def wait_final(stack: PrefectStack, flow_run_id: str) -> str:
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        run = stack.post("/flow_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}}})[0]
+        if run["state_type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+            return run["state_name"]
+        time.sleep(1)
+    raise TimeoutError(flow_run_id)
+
+
+@pytest.mark.browser
+def test_deployment_runs_on_a_worker_then_is_cached_and_shows_in_the_ui(stack, sharegpt, tmp_path):
+    config = small_config(tmp_path / "out", write_sample_data(sharegpt, tmp_path / "chats.jsonl", 10),
+                          train={"log_every": 1})  # a curve, not a dot
+    first, output = deployment_run(stack, "eagle3-train", config)
+    assert first and wait_final(stack, first) == "Completed", output
+    assert states(stack, first) == {s: "Completed" for s in STAGES}
+    assert (tmp_path / "out" / "train").is_dir()  # the worker ran the real pipeline
+
+    second, output = deployment_run(stack, "eagle3-train", config)
+    assert second and wait_final(stack, second) == "Completed", output
+    assert states(stack, second) == {s: "Cached" for s in STAGES}
+
+    url = f"http://127.0.0.1:{stack.port}/v2/runs/flow-run/{first}?tab=TaskRuns"
+    dom = chromium(url, "--dump-dom").stdout
+    assert all(f">{stage}-" in dom or f"{stage}-" in dom for stage in STAGES), dom[-2000:]
+    assert "smollm2-135m-instruct on chats.jsonl" in dom  # the run name says which verifier and data
+    png = tmp_path / "flow-run.png"
+    chromium(url, f"--screenshot={png}")
+    assert png.stat().st_size > 20_000
+
+    # the pictures: image artifacts of the first run, drawn in both UIs (the default at /, the new one at /v2)
+    body = {"artifacts": {"flow_run_id": {"any_": [first]}, "type": {"any_": ["image"]}}}
+    pictures = {a["key"]: a["id"] for a in stack.post("/artifacts/filter", body)}
+    assert set(pictures) == {"extraction-rate", "training-curves", "draft-acceptance-per-position"}
+    base = f"http://127.0.0.1:{stack.port}"
+    for ui, url in (("default", f"{base}/artifacts/artifact/{pictures['training-curves']}"),
+                    ("v2", f"{base}/v2/artifacts/artifact/{pictures['training-curves']}")):
+        png = tmp_path / f"training-curves-{ui}-ui.png"
+        chromium(url, f"--screenshot={png}")
+        # the curves' own colours on screen: the picture is drawn, not a broken-image icon
+        assert colour_pixels(png, TRAIN) > 200 and colour_pixels(png, VAL) > 30, (ui, png)
+
+
+def test_invalid_parameters_are_rejected_when_the_run_is_created(stack, tmp_path):
+    config = small_config(tmp_path, tmp_path / "x.jsonl").model_dump(mode="json")
+    config["train"]["lr"] = -1
+    flow_run, output = deployment_run(stack, "eagle3-train", config)
+    assert flow_run is None
+    assert "config.train.lr" in output and "minimum" in output
+
+
+def test_prefect_yaml_deployments_and_presets(stack):
+    deployments = stack.post("/deployments/filter", {})
+    by_name = {d["name"]: d for d in deployments}
+    assert set(by_name) >= {"eagle3-train", "eagle3-retrain"}
+    assert "PipelineConfig" in json.dumps(by_name["eagle3-train"]["parameter_openapi_schema"])
+    project = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+    presets = project["definitions"]["presets"]
+    assert presets["demo"] == yaml.safe_load((ROOT / "deployments" / "demo.yaml").read_text())
+    assert presets["retrain_demo"] == yaml.safe_load((ROOT / "deployments" / "retrain-demo.yaml").read_text())
+    # the nightly schedule really creates runs (it never does with SQLAlchemy 2.1 under Prefect 3.7.7)
+    body = {"deployments": {"id": {"any_": [by_name["eagle3-retrain"]["id"]]}},
+            "flow_runs": {"state": {"type": {"any_": ["SCHEDULED"]}}}}
+    deadline, scheduled = time.monotonic() + 60, 0
+    while time.monotonic() < deadline and not scheduled:
+        scheduled = stack.post("/flow_runs/count", body)
+        time.sleep(1)
+    assert scheduled >= 1

