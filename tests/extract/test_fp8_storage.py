@@ -53,7 +53,7 @@ def shard_files(folder: Path) -> dict[str, bytes]:
 
 
 def test_fp8_shards_read_back_within_e4m3_error_of_the_bf16_ones(extractions, prepared, smollm2):
-    (bf16_dir, bf16), (fp8_dir, fp8) = extractions["bf16"], extractions["fp8_e4m3"]
+    (_, bf16), (fp8_dir, fp8) = extractions["bf16"], extractions["fp8_e4m3"]
     assert fp8.fingerprint != bf16.fingerprint and fp8.shards == bf16.shards >= 4
 
     # the layout: e4m3 states, a float32 scale per token and layer, the dtype in metadata and manifest

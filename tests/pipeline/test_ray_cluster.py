@@ -240,8 +240,8 @@ def test_a_rank_whose_node_is_lost_runs_again_on_the_other_node(prefect_api, clu
     journal = [json.loads(line)["name"] for f in (root / "lost" / "hidden_states" / "journal").glob("*.jsonl")
                for line in f.read_text().splitlines()]
     assert sorted(journal) == sorted(set(journal)) and len(journal) == extracted.shards  # none written twice
-    reference = run_extraction(ExtractJob(prepared.path, prepared.fingerprint, smollm2, str(root / "lost-local"),
-                                          settings=config.extract.model_dump()), in_process=True)
+    run_extraction(ExtractJob(prepared.path, prepared.fingerprint, smollm2, str(root / "lost-local"),
+                              settings=config.extract.model_dump()), in_process=True)
     assert shard_bytes(Path(extracted.manifest).parent) == shard_bytes(root / "lost-local")
 
 

@@ -1,0 +1,76 @@
+"""`eagle3-pipeline plan`: the one-GPU preset sized on this CPU machine from a config-only folder."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from flows.cli import main
+from tasks.common.verifier import TOKENIZER_FILES, WEIGHT_SUFFIXES
+from tasks.plan import H100_BF16_TFLOPS, UTILIZATION
+from tasks.prepare.dataset import read_report
+
+PRESET = Path(__file__).resolve().parents[2] / "deployments" / "llama-8b-1gpu.yaml"
+# Llama-3.1-8B-Instruct's config.json (the shapes; no weights anywhere)
+LLAMA_31_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+    "max_position_embeddings": 131072, "rope_theta": 500000.0, "tie_word_embeddings": False,
+    "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16",
+}
+
+
+@pytest.fixture
+def config_only(smollm2, tmp_path) -> Path:
+    """An 8B verifier as a user downloads it to size a run: config.json and the tokenizer (SmolLM2's here)."""
+    folder = tmp_path / "llama-8b-config-only"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA_31_8B))
+    for name in TOKENIZER_FILES:
+        if (Path(smollm2) / name).is_file():
+            shutil.copy(Path(smollm2) / name, folder / name)
+    return folder
+
+
+def plan(capsys, *settings: str, json_output: bool = True) -> tuple[int, str]:
+    args = ["plan", str(PRESET), *[a for s in settings for a in ("--set", s)]] + (["--json"] if json_output else [])
+    code = main(args)
+    return code, capsys.readouterr().out
+
+
+def test_the_one_gpu_preset_is_planned_on_cpu_without_weights(config_only, tmp_path, capsys):
+    settings = (f"verifier.path={config_only}", "data.max_rows=40", f"output_dir={tmp_path / 'out'}",
+                "extract.reserve_disk_gb=0")
+    code, out = plan(capsys, *settings)
+    assert code == 0, out
+    sized = json.loads(out)
+    assert not [p for p in config_only.iterdir() if p.suffix in WEIGHT_SUFFIXES]
+    tokens = read_report(sized["prepared"])["tokens"]  # prepare ran: the tokenizer was all it needed
+    assert sized["tokens"] == tokens > 10_000 and sized["tokens_to_extract"] == tokens
+    assert sized["layers"] == [2, 16, 29, 32]  # EAGLE-3's default aux layers for 32 layers, and the last
+    assert sized["bytes_total_gb"] == round(tokens * 4 * 4096 * 2 / 1e9, 3)
+    assert sized["shards"] == 1 and sized["host_buffers_gb_per_worker"] == round(3 * tokens * 4 * 4096 * 2 / 1e9, 2)
+    assert sized["parameters_from"] == "config.json" and sized["verifier_parameters_b"] == 8.03  # Llama-3.1-8B
+    assert sized["gpu_tflops"] == H100_BF16_TFLOPS and UTILIZATION == 0.4
+    assert sized["regenerate"] is True and sized["problems_here"] == []
+    assert (tmp_path / "out" / "hidden_states").is_dir() and not list((tmp_path / "out" / "hidden_states").iterdir())
+
+    # the weights' index gives the parameter count when present; the text names the caveats
+    (config_only / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 16_060_522_496}}))
+    code, text = plan(capsys, *settings, json_output=False)
+    assert code == 0
+    assert "8.03 B parameters (from safetensors index)" in text and "regeneration is on" in text
+    assert f"{tokens:,} tokens in 1 shards" in text and "the disk and host memory checks pass" in text
+
+    code, text = plan(capsys, *settings[:-1], "extract.reserve_disk_gb=1000000", json_output=False)
+    assert code == 1 and "extraction would refuse to start: not enough disk" in text
+
+
+def test_plan_names_a_missing_verifier_folder(tmp_path, capsys):
+    code = main(["plan", str(PRESET), "--set", f"verifier.path={tmp_path / 'absent'}",
+                 "--set", f"output_dir={tmp_path / 'out'}"])
+    assert code == 2 and "verifier folder not found" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
