@@ -4,7 +4,7 @@
 PREFECT_HOME is set, Prefect's database and result store live in `<output_dir>/.prefect`, so runs
 of one output folder share a cache and nothing leaks into ~/.prefect.
 `config` prints the validated config (`--json`: one line, for `prefect deployment run --param`);
-`plan` sizes a run on any machine (tasks/extract/sizing.py); `prune-shards` frees stale shards.
+`plan` sizes a run on any machine (tasks/plan.py); `prune-shards` frees stale shards.
 
 Exit status: 0 done; 2 a problem a retry cannot fix (a bad config, a missing or empty input, an
 unwritable output folder, a deterministic failure in a stage), named in one `error:` line; 1 a
@@ -25,6 +25,7 @@ from pathlib import Path
 import yaml
 
 from flows.prefect_env import use_private_prefect_home
+from flows.run_log import run_log
 from tasks.common.config import ConfigError, load_config
 from tasks.common.demo_assets import resolve_config
 from tasks.common.errors import PermanentError, describe, is_deterministic
@@ -43,11 +44,24 @@ def parse_overrides(items: list[str]) -> dict:
         *parents, leaf = key.split(".")
         for p in parents:
             node = node.setdefault(p, {})
-        node[leaf] = yaml.safe_load(value)
+        try:
+            node[leaf] = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            problem = " ".join(str(getattr(e, "problem", None) or e).split())
+            raise ConfigError(f"--set {item}: the value is not valid YAML ({problem}); quote it for the "
+                              "shell, e.g. --set 'train.lr=[1, 2]'") from None
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return command(argv)
+    except BrokenPipeError:  # `eagle3-pipeline config X | head`: the reader has gone, nothing to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor at exit, when stdout is flushed
+        return 0
+
+
+def command(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="eagle3-pipeline", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the pipeline flow on a config file")
@@ -101,17 +115,23 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["PREFECT_TASKS_REFRESH_CACHE"] = "true"
     from flows.pipeline import eagle3_pipeline  # after PREFECT_HOME is set: Prefect reads it at import
 
-    print(f"eagle3-pipeline: running '{config.name}' -> {output} (Prefect home: {prefect_home})")
+    with run_log(output) as log_file:
+        return run_flow(eagle3_pipeline, config, resolved, output, prefect_home, log_file)
+
+
+def run_flow(pipeline, config, resolved, output: Path, prefect_home: Path, log_file: Path) -> int:
+    """The flow in this process, one run per output folder at a time; a summary, or one `error:` line."""
+    print(f"eagle3-pipeline: running '{config.name}' -> {output} (Prefect home: {prefect_home}; log: {log_file})")
     t0 = time.monotonic()
     try:
         with folder_lock(output, "eagle3-pipeline"):  # one run per output folder (and its Prefect database)
-            state = eagle3_pipeline(config, return_state=True)
+            state = pipeline(config, return_state=True)
     except FolderLockedError as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
     stages = stage_runs(state.state_details.flow_run_id)
     if not state.is_completed():
-        return report_failure(state, stages)
+        return report_failure(state, stages, log_file)
     summary = {"verifier": resolved.verifier.path, "output_dir": str(output)}
     for key, value in state.result().items():
         summary[key] = {"from_cache": stages[STAGE_OF_RESULT[key]].state.name == "Cached", **value.__dict__}
@@ -122,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_plan(config, gpu_tflops: float | None, as_json: bool) -> int:
     """The checks a plan can make without weights (data, output folder), then the plan."""
-    from tasks.extract.sizing import H100_BF16_TFLOPS, size_run
+    from tasks.plan import H100_BF16_TFLOPS, size_run
 
     check_data(config)
     check_writable(Path(config.output_dir), "output_dir")
@@ -136,17 +156,20 @@ STAGE_OF_RESULT = {"prepared": "prepare", "extracted": "extract", "vocab": "voca
                    "validated": "validate"}
 
 
-def report_failure(state, stages: dict) -> int:
-    """One `error:` line naming the stage and the exception; 2 when retrying cannot help, else 1."""
+def report_failure(state, stages: dict, log_file: Path) -> int:
+    """One `error:` line naming the stage and the exception, and where the whole story is; 2 when
+    retrying cannot help, else 1."""
     exc = state.result(raise_on_failure=False)
     failed = [(name, run) for name, run in stages.items() if run.state.is_failed()]
     where = f"{failed[0][0]} failed" if failed else "the run failed"
     problem = describe(exc) if isinstance(exc, BaseException) else state.message
     if isinstance(exc, BaseException) and is_deterministic(exc):
         print(f"error: {where} (not retried: the same inputs would fail the same way): {problem}", file=sys.stderr)
+        print(f"the full log, tracebacks included: {log_file}", file=sys.stderr)
         return 2
     attempts = f" after {failed[0][1].run_count} attempts" if failed else ""
     print(f"error: {where}{attempts}: {problem}", file=sys.stderr)
+    print(f"the full log, tracebacks included: {log_file}", file=sys.stderr)
     return 1
 
 

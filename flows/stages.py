@@ -36,6 +36,7 @@ from tasks.prepare.stage import prepare, prepare_fingerprint
 from tasks.train.acceptance import replayed_per_position
 from tasks.train.job import TrainJob, TrainResult, train_fingerprint
 from tasks.train.stage import run_training
+from tasks.train.targets import TargetCheck
 from tasks.train.tracking import read_metrics
 from tasks.validate.stage import ValidationResult, fmt, validate
 from tasks.vocab import VocabResult, build_vocab
@@ -57,8 +58,9 @@ EXTRACT_CODE = ("tasks.extract.stage", "tasks.extract.plan", "tasks.extract.writ
 VOCAB_CODE = ("tasks.vocab", "tasks.prepare.dataset", "tasks.common.verifier")
 TRAIN_CODE = ("tasks.train.stage", "tasks.train.job", "tasks.train.loop", "tasks.train.data", "tasks.train.model",
               "tasks.train.evaluation", "tasks.train.acceptance", "tasks.train.checkpoints", "tasks.train.step_profile",
-              "tasks.train.tracking", "tasks.extract.shards", "tasks.extract.storage_dtype", "tasks.prepare.dataset",
-              "tasks.vocab", "tasks.common.journal", "tasks.common.verifier")
+              "tasks.train.tracking", "tasks.train.targets", "tasks.extract.shards", "tasks.extract.storage_dtype",
+              "tasks.extract.backends.hf", "tasks.prepare.dataset", "tasks.vocab", "tasks.common.journal",
+              "tasks.common.verifier")
 VALIDATE_CODE = ("tasks.validate.stage", "tasks.validate.draft_check", "tasks.validate.vllm_live",
                  "tasks.common.verifier")
 
@@ -82,7 +84,8 @@ def prepare_task(config: PipelineConfig) -> PreparedData:
     if regeneration is not None:
         sources, max_rows = [str(_regenerate(config, regeneration))], None
     result = prepare(config.verifier.path, sources, config.output_dir, max_seq_len=config.data.max_seq_len,
-                     max_rows=max_rows, supervise_end_of_turn=config.data.supervise_end_of_turn)
+                     max_rows=max_rows, supervise_end_of_turn=config.data.supervise_end_of_turn,
+                     trust_remote_code=config.verifier.trust_remote_code)
     report = read_report(result.path)
     create_table_artifact(
         table=table({k: v for k, v in report.items() if k != "dropped_examples"}), key="prepare-report",
@@ -198,7 +201,8 @@ def train_task(config: PipelineConfig, prepared: PreparedData, extracted: Extrac
         table=[{k: round(v, 4) if isinstance(v, float) else v for k, v in m.items() if k != "split"} for m in val],
         key="training-validation",
         description=f"validation during training; best step {result.best_step}: simulated acceptance length "
-                    f"{result.simulated_acceptance_length:.3f} (k={config.train.ttt_steps})",
+                    f"{result.simulated_acceptance_length:.3f} (k={config.train.ttt_steps}); "
+                    + (TargetCheck(**result.target_check).describe() if result.target_check else ""),
     )
     png = plots.training_curves(metrics, Path(job.out_dir) / "curves.png", result.best_step if val else None)
     show_picture(png, "training-curves", f"training loss and simulated acceptance length against step; best step "
@@ -219,6 +223,7 @@ def _validate_key(ctx, p) -> str:
 def validate_task(config: PipelineConfig, trained: TrainResult, extracted: ExtractResult) -> ValidationResult:
     out = stage_dir(config, "validation") / trained.fingerprint[:16]
     result = validate(trained.draft_path, config.verifier.path, extracted.layers[:3], config.validation, out,
+                      trust_remote_code=config.verifier.trust_remote_code,
                       simulated_acceptance_length=trained.simulated_acceptance_length,
                       replayed_acceptance_length=trained.val_metrics.get("replayed_acceptance_length"))
     create_markdown_artifact(markdown=Path(result.report_markdown).read_text(), key="draft-validation",

@@ -10,6 +10,7 @@
     validate/   the draft checked against vLLM's EAGLE-3 loader, then served by vLLM: acceptance
                 measured, outputs compared                                 -> validation/<fp>/
     preflight.py  what can be checked before the first stage, without loading a model
+    plan.py     a run sized from config files alone: tokens, disk, time, whether vLLM serves it
     common/     what the stages share: config, errors, worker subprocesses, progress, locks,
                 journals, verifier introspection, vLLM support, demo assets, plots
 

@@ -3,19 +3,25 @@
 A run that would fail on a missing folder, an unreadable file, an empty data source, an
 unwritable output folder or auxiliary layers outside the verifier's depth fails here, in a
 second, with one message naming the problem, instead of minutes later in a stage (and its
-retries). Takes a config whose `demo://` paths are resolved (tasks/common/demo_assets.py).
+retries). So does a run whose draft vLLM could not serve for live validation when that is
+required (where it is only wanted, the run goes on with a warning and validation skips serving).
+Takes a config whose `demo://` paths are resolved (tasks/common/demo_assets.py).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import tempfile
 from pathlib import Path
 
 from tasks.common.errors import PermanentError
-from tasks.common.verifier import TOKENIZER_FILES, inspect_verifier
+from tasks.common.verifier import TOKENIZER_FILES, check_tokenizer_files, inspect_verifier
+from tasks.common.vllm_support import EXTRACTION_ADVICE, eagle3_support
 from tasks.prepare.chat_data import source_files
+
+log = logging.getLogger(__name__)
 
 
 class PreflightError(PermanentError, ValueError):
@@ -37,6 +43,7 @@ def check_verifier(config) -> None:
         raise PreflightError(f"verifier.path {verifier.path} holds no weight files (*.safetensors, *.bin, *.gguf)")
     for name in ("config.json", *verifier.weight_files, *(n for n in TOKENIZER_FILES if (verifier.path / n).exists())):
         check_readable(verifier.path / name, "verifier file")
+    check_tokenizer_files(verifier.path, config.verifier.trust_remote_code)
 
 
 def is_blank(path: Path) -> bool:
@@ -81,10 +88,37 @@ def check_writable(folder: Path, what: str) -> None:
         raise PreflightError(f"{what} {folder} is not writable: {e.strerror or e} ({existing})") from None
 
 
+def check_live_validation(config) -> str | None:
+    """Whether vLLM here can serve the verifier with an EAGLE-3 draft, as validation.live asks:
+    raises when it is required and cannot; returns the reason live validation will be skipped
+    when it is only wanted (`auto`), None when it will run or is not asked for."""
+    if config.validation.live == "skip":
+        return None
+    support = eagle3_support(inspect_verifier(config.verifier.path))
+    if support.supported:
+        return None
+    if config.validation.live == "required":
+        raise PreflightError(f"validation.live: required, but {support.problem}; set validation.live: auto to "
+                             "train anyway and validate statically, or skip")
+    return f"{support.problem}: live validation will be skipped (validation.live: auto)"
+
+
+def check_vllm_extraction(config) -> None:
+    """extract.backend: vllm needs a vLLM that serves the verifier with EAGLE-3 drafts."""
+    if config.extract.backend != "vllm":
+        return
+    support = eagle3_support(inspect_verifier(config.verifier.path))
+    if not support.supported:
+        raise PreflightError(f"extract.backend: vllm, but {support.problem}; {EXTRACTION_ADVICE}")
+
+
 def check_before_run(config) -> None:
     """Every check; raises the first problem found (PreflightError or VerifierError)."""
     check_verifier(config)
     check_data(config)
+    check_vllm_extraction(config)
+    if skipped := check_live_validation(config):
+        log.warning("%s", skipped)
     v = config.validation
     if v.live != "skip" and v.prompts and not Path(v.prompts).is_file():
         raise PreflightError(f"validation.prompts {v.prompts} is not a file")

@@ -6,6 +6,7 @@ is rejected when the run is created, with the field's dotted name in the message
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -258,12 +259,25 @@ class ConfigError(PermanentError, ValueError):
     """A configuration that cannot run; the message names the file and the field."""
 
 
-def format_validation_error(err: ValidationError, source: str) -> str:
-    lines = [f"invalid configuration in {source}:"]
+def format_validation_error(err: ValidationError, source: str, overridden: dict | None = None) -> str:
+    """One line per bad field, each saying where its value came from: the file or a --set."""
+    overridden = overridden or {}
+    lines = [f"invalid configuration in {source}" + (" and its --set options:" if overridden else ":")]
     for e in err.errors():
         field = ".".join(str(p) for p in e["loc"]) or "<root>"
-        lines.append(f"  {field}: {e['msg']}")
+        origin = next((f" (from --set {key}={value if isinstance(value, str) else json.dumps(value)})"
+                       for key, value in overridden.items() if field == key or field.startswith(key + ".")), "")
+        lines.append(f"  {field}{origin}: {e['msg']}")
     return "\n".join(lines)
+
+
+def dotted(nested: dict, prefix: str = "") -> dict:
+    """{"train": {"lr": 1}} -> {"train.lr": 1}"""
+    flat = {}
+    for key, value in nested.items():
+        path = f"{prefix}{key}"
+        flat |= dotted(value, path + ".") if isinstance(value, dict) and value else {path: value}
+    return flat
 
 
 def load_config(path: str | Path, overrides: dict | None = None) -> PipelineConfig:
@@ -281,7 +295,7 @@ def load_config(path: str | Path, overrides: dict | None = None) -> PipelineConf
     try:
         return PipelineConfig.model_validate(merged)
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e, str(path))) from None
+        raise ConfigError(format_validation_error(e, str(path), dotted(overrides or {}))) from None
 
 
 def _deep_merge(base: dict, extra: dict) -> dict:

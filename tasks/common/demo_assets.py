@@ -175,14 +175,15 @@ def ensure_asset(name: str) -> Path:
 
 
 def resolve(path: str) -> str:
-    """A config path as a local path: `demo://name` becomes the built asset, others unchanged."""
+    """A config path as an absolute local path: `demo://name` becomes the built asset, a relative
+    path is made absolute (the draft's config names its verifier, and is read from other folders)."""
     if path.startswith(SCHEME):
         return str(ensure_asset(path[len(SCHEME):]))
-    return path
+    return str(Path(path).expanduser().absolute())
 
 
 def resolve_config(config):
-    """A copy of a PipelineConfig with every `demo://` path replaced by its local asset."""
+    """A copy of a PipelineConfig with every path absolute and `demo://` ones replaced by their asset."""
     update = {
         "verifier": config.verifier.model_copy(update={"path": resolve(config.verifier.path)}),
         "data": config.data.model_copy(update={"sources": [resolve(s) for s in config.data.sources]}),

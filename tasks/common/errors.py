@@ -8,15 +8,20 @@ repeat the same error after a back-off.
 - Errors the project raises for bad input subclass `PermanentError` (with the builtin they
   always had: `VerifierError(PermanentError, ValueError)`).
 - Of Python's own, the errors of a program meeting input it cannot handle are deterministic:
-  ValueError, TypeError, LookupError, AttributeError, NotImplementedError, ImportError. Others
-  (RuntimeError, which CUDA and NCCL faults are; OSError; MemoryError) are transient.
+  ValueError, TypeError, LookupError, AttributeError, NotImplementedError, ImportError, and the
+  file errors a retry cannot mend (a missing file or folder, a permission refused). So is the
+  OSError transformers raises for a model folder that lacks a file ("Can't load image processor
+  ..."). Others (RuntimeError, which CUDA and NCCL faults are; other OSErrors, a full disk among
+  them; MemoryError) are transient.
 - An exception may carry `deterministic = True/False` to say so itself (a worker's exception
   rebuilt in its parent process, tasks/common/workers.py).
 """
 
 from __future__ import annotations
 
-DETERMINISTIC_BUILTINS = (ValueError, TypeError, LookupError, AttributeError, NotImplementedError, ImportError)
+DETERMINISTIC_BUILTINS = (ValueError, TypeError, LookupError, AttributeError, NotImplementedError, ImportError,
+                          FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+MISSING_FILE_MESSAGES = ("Can't load", "does not appear to have a file named")  # transformers' OSErrors
 
 
 class PermanentError(Exception):
@@ -27,6 +32,8 @@ def is_deterministic(exc: BaseException) -> bool:
     flag = getattr(exc, "deterministic", None)
     if isinstance(flag, bool):
         return flag
+    if isinstance(exc, OSError) and any(m in str(exc) for m in MISSING_FILE_MESSAGES):
+        return True
     return isinstance(exc, (PermanentError, *DETERMINISTIC_BUILTINS))
 
 

@@ -12,8 +12,12 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tasks.common.errors import PermanentError
+
+if TYPE_CHECKING:
+    import torch
 
 # Keys under which multimodal wrappers keep the language model's config.
 NESTED_TEXT_CONFIG_KEYS = ("text_config", "language_config", "llm_config")
@@ -26,7 +30,12 @@ TOKENIZER_FILES = (
     "tokenizer.model",
     "vocab.json",
     "merges.txt",
+    "tiktoken.model",  # Kimi's (read by its remote tokenizer code)
+    "spiece.model",
+    "vocab.txt",
 )
+# the files a tokenizer's vocabulary can come from (one of them must be there)
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model", "spiece.model", "vocab.txt")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 
 
@@ -109,11 +118,51 @@ def inspect_verifier(path: str | Path) -> VerifierInfo:
     )
 
 
+def transformers_text_config(path: str | Path, trust_remote_code: bool = False):
+    """The language model's transformers config: a multimodal wrapper's nested one as the wrapper's
+    own config class builds it (Kimi-K2.5 names its DeepSeek-V3 body "kimi_k2"), typed as its class's
+    model type, so that what transformers keys on it (checkpoint conversions) applies."""
+    from transformers import AutoConfig
+
+    text = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).get_text_config()
+    kind = type(text).model_type
+    if kind and text.model_type != kind:
+        text = AutoConfig.for_model(kind, **{k: v for k, v in text.to_dict().items() if k != "model_type"})
+    return text
+
+
+def remote_tokenizer(path: str | Path) -> str | None:
+    """The class a folder's tokenizer_config.json names as code shipped with the model (Kimi's
+    tiktoken-based tokenizer), or None when transformers builds the tokenizer itself."""
+    config = Path(path) / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    try:
+        auto = json.loads(config.read_text()).get("auto_map", {}).get("AutoTokenizer")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    classes = [c for c in (auto if isinstance(auto, list) else [auto]) if c]
+    return classes[-1] if classes else None
+
+
+def check_tokenizer_files(path: str | Path, trust_remote_code: bool) -> None:
+    """The folder holds what its tokenizer is built from, and remote tokenizer code is allowed to run."""
+    path = Path(path)
+    remote = remote_tokenizer(path)
+    if remote and not trust_remote_code:
+        raise VerifierError(f"the tokenizer in {path} is code shipped with the model ({remote}, from "
+                            "tokenizer_config.json's auto_map); set verifier.trust_remote_code: true if you trust it")
+    if not remote and not any((path / n).is_file() for n in VOCABULARY_FILES):
+        raise VerifierError(f"{path} has no tokenizer: none of {', '.join(VOCABULARY_FILES)} is there; copy the "
+                            "tokenizer files from the model's repository")
+
+
 def tokenizer_fingerprint(path: str | Path) -> str:
     """Content hash of the files that decide tokenization and the chat template."""
     path = Path(path)
     h = hashlib.sha256()
-    for name in TOKENIZER_FILES:
+    remote_code = sorted(p.name for p in path.glob("tokenization*.py"))  # a tokenizer shipped as code
+    for name in (*TOKENIZER_FILES, *remote_code):
         f = path / name
         if f.is_file():
             h.update(name.encode() + b"\0" + f.read_bytes() + b"\0")
@@ -136,3 +185,41 @@ def verifier_fingerprint(path: str | Path) -> str:
             fh.seek(max(0, size - (1 << 20)))
             h.update(fh.read(1 << 20))
     return h.hexdigest()
+
+
+def weight_map(verifier: VerifierInfo) -> dict[str, str]:
+    """Tensor name -> the safetensors file holding it, from the index or the files' headers (no
+    tensor is read)."""
+    index = verifier.path / "model.safetensors.index.json"
+    if index.is_file():
+        return json.loads(index.read_text())["weight_map"]
+    files = [f for f in verifier.weight_files if f.endswith(".safetensors")]
+    if not files:
+        raise VerifierError(f"{verifier.path}: its tensors are read by name from safetensors files; found "
+                            f"{list(verifier.weight_files)}")
+    from safetensors import safe_open
+
+    where = {}
+    for name in files:
+        with safe_open(str(verifier.path / name), "pt") as f:
+            where |= dict.fromkeys(f.keys(), name)
+    return where
+
+
+def checkpoint_keys(verifier: VerifierInfo) -> list[str]:
+    return list(weight_map(verifier))
+
+
+def read_tensors(verifier: VerifierInfo, names: dict[str, str]) -> dict[str, torch.Tensor]:
+    """{what: checkpoint key} -> {what: tensor}, each read from the file that holds it."""
+    from safetensors import safe_open
+
+    where = weight_map(verifier)
+    missing = [key for key in names.values() if key not in where]
+    if missing:
+        raise VerifierError(f"{verifier.path}: the checkpoint lacks {missing}")
+    out = {}
+    for what, key in names.items():
+        with safe_open(str(verifier.path / where[key]), "pt") as f:
+            out[what] = f.get_tensor(key)
+    return out

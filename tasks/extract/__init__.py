@@ -6,6 +6,6 @@
     -> stage.py: every shard verified, the manifest written
 
 Hands on: `hidden_states/` of fingerprinted, checksummed shards (format and readers: shards.py;
-fp8 storage: storage_dtype.py) and the manifest that lists them. sizing.py sizes a whole run the
-same way from config files alone (`eagle3-pipeline plan`).
+fp8 storage: storage_dtype.py) and the manifest that lists them. tasks/plan.py sizes a whole run
+the same way from config files alone (`eagle3-pipeline plan`).
 """

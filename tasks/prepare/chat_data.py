@@ -136,6 +136,14 @@ def text_of(content) -> str | None:
     return None
 
 
+def encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class Conversation:
     messages: list[dict]
@@ -171,6 +179,8 @@ def read_conversation(row: dict) -> Conversation | Dropped:
         content = text_of(turn.get("content", turn.get("value")))
         if content is None:
             return Dropped("non_string_content", type(turn.get("content", turn.get("value"))).__name__)
+        if not encodable(content):  # JSON lets "\ud800" through; no tokenizer takes it
+            return Dropped("invalid_text", "a lone surrogate (half of a UTF-16 pair) in the text")
         message = {"role": role, "content": content}
         if role == "assistant" and isinstance(turn.get("tool_calls"), list) and turn["tool_calls"]:
             message["tool_calls"] = turn["tool_calls"]

@@ -12,6 +12,8 @@ tokens whose characters lie inside an assistant text are the supervised ones. Te
   becomes a user turn. Either way they are context: only the text the assistant wrote is supervised.
 - Text is tokenized as text: a message that contains a control token's string (`<|im_end|>`)
   gets the tokens of those characters, never the control token, which only the template places.
+- A template that renders only OpenAI's list of content parts (Llava's: a plain string renders as
+  nothing) gets each text as one text part.
 """
 
 from __future__ import annotations
@@ -22,19 +24,24 @@ import re
 
 from tasks.prepare.chat_data import Dropped
 
-PROBE_CALL, PROBE_RESULT = "zq_probe_function", "zq_probe_result"
-_template_support: dict[str, tuple[bool, bool]] = {}
+PROBE_CALL, PROBE_RESULT, PROBE_TEXT = "zq_probe_function", "zq_probe_result", "zq_probe_text"
+_template_support: dict[str, tuple[bool, bool, bool]] = {}
 
 
-def template_support(tokenizer) -> tuple[bool, bool]:
-    """Whether the chat template renders (assistant tool calls, tool-role messages)."""
+def template_support(tokenizer) -> tuple[bool, bool, bool]:
+    """Whether the chat template renders (assistant tool calls, tool-role messages, text given as a
+    plain string rather than as a list of content parts)."""
     template = tokenizer.chat_template
     if template not in _template_support:
         call = {"id": "call_0", "type": "function", "function": {"name": PROBE_CALL, "arguments": {"x": 1}}}
         asked = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
         answered = [*asked, {"role": "tool", "content": PROBE_RESULT, "tool_call_id": "call_0", "name": PROBE_CALL},
                     {"role": "assistant", "content": "ok"}]
-        _template_support[template] = (PROBE_CALL in render(tokenizer, asked), PROBE_RESULT in render(tokenizer, answered))
+        plain = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": PROBE_TEXT}]
+        as_parts = [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in plain]
+        renders_strings = PROBE_TEXT in render(tokenizer, plain) or PROBE_TEXT not in render(tokenizer, as_parts)
+        _template_support[template] = (PROBE_CALL in render(tokenizer, asked),
+                                       PROBE_RESULT in render(tokenizer, answered), renders_strings)
     return _template_support[template]
 
 
@@ -59,8 +66,9 @@ def call_arguments(call: dict) -> dict:
 
 def for_template(tokenizer, messages: list[dict]) -> list[dict]:
     """The messages as this template renders them (module docstring); an assistant message whose
-    content gained text keeps the assistant's own text in `supervised`."""
-    renders_calls, renders_tool_role = template_support(tokenizer)
+    content gained text keeps the assistant's own text in `supervised`; a message whose text goes to
+    the template as content parts keeps it in `text`."""
+    renders_calls, renders_tool_role, renders_strings = template_support(tokenizer)
     out: list[dict] = []
     for message in messages:
         message = dict(message)
@@ -78,6 +86,8 @@ def for_template(tokenizer, messages: list[dict]) -> list[dict]:
                 out[-1] = {"role": "user", "content": f"{out[-1]['content']}\n\n{message['content']}"}
                 continue
         out.append(message)
+    if not renders_strings:
+        out = [{**m, "text": m["content"], "content": [{"type": "text", "text": m["content"]}]} for m in out]
     return out
 
 
@@ -118,6 +128,9 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_seq_len: int,
             if closed_by_verifier and i < len(input_ids) and input_ids[i] in end_of_turn:
                 loss_mask[i] = 1
     truncated = len(input_ids) > max_seq_len
+    if truncated and not any(loss_mask[:max_seq_len]) and any(loss_mask):
+        return Dropped("prompt_exceeds_max_seq_len", f"the first answer starts at token {loss_mask.index(1)}, "
+                                                     f"data.max_seq_len is {max_seq_len}")
     input_ids, loss_mask = input_ids[:max_seq_len], loss_mask[:max_seq_len]
     if not any(loss_mask):
         return Dropped("no_supervised_tokens")
@@ -138,7 +151,8 @@ def locate_texts(tokenizer, messages: list[dict], text: str
             prefix = tokenizer.apply_chat_template(messages[:j], tokenize=False, add_generation_prompt=True) if j else ""
             if text.startswith(prefix):
                 cursor = max(cursor, len(prefix))
-        content, own = message["content"], message.get("supervised", message["content"])
+        content = message.get("text", message["content"])
+        own = message.get("supervised", content)
         if not content.strip():
             continue
         idx = text.find(content, cursor)

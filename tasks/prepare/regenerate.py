@@ -184,10 +184,8 @@ def regenerate_rank(job: RegenerateJob, rank: int = 0, world_size: int = 1,
                     callback: ProgressCallback | None = None) -> RegenerateReport:
     """Regenerate rank `rank`'s pending chunks in this process, appending each to this process's
     part file when it is done; the rank's report goes next to its progress file."""
-    from transformers import AutoTokenizer
-
     from tasks.prepare.generators import make_generator
-    from tasks.prepare.stage import end_of_turn_ids
+    from tasks.prepare.stage import end_of_turn_ids, load_tokenizer
 
     s = job.regenerate_settings
     out_dir = Path(job.out_dir)
@@ -195,7 +193,7 @@ def regenerate_rank(job: RegenerateJob, rank: int = 0, world_size: int = 1,
     chunks = chunks_of_rank(rows, written(out_dir).entries(), s.chunk_size, rank, world_size)
     report = RegenerateReport(conversations=sum(map(len, chunks)))
     if chunks:
-        tokenizer = AutoTokenizer.from_pretrained(job.verifier_path)
+        tokenizer = load_tokenizer(job.verifier_path, job.trust_remote_code)
         generate = make_generator(job, tokenizer)
         stops = end_of_turn_ids(job.verifier_path, tokenizer)  # what ends an answer the verifier finished
         report.backend = generate.name

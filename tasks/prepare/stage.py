@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tasks.common.errors import PermanentError
-from tasks.common.verifier import tokenizer_fingerprint
+from tasks.common.verifier import VerifierError, check_tokenizer_files, tokenizer_fingerprint
 from tasks.prepare.chat_data import Dropped, read_conversation, read_rows, source_files
 from tasks.prepare.chat_template import tokenize_conversation
 from tasks.prepare.dataset import PreparedData
@@ -71,12 +71,16 @@ class PrepareReport:
             self.shortened_examples.append(row_id)
 
 
-def load_tokenizer(verifier_path: str):
+def load_tokenizer(verifier_path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     if not Path(verifier_path).is_dir():
         raise PrepareError(f"verifier folder not found: {verifier_path}")
-    tokenizer = AutoTokenizer.from_pretrained(verifier_path)
+    try:
+        check_tokenizer_files(verifier_path, trust_remote_code)
+    except VerifierError as e:
+        raise PrepareError(str(e)) from None
+    tokenizer = AutoTokenizer.from_pretrained(verifier_path, trust_remote_code=trust_remote_code)
     if not tokenizer.chat_template:
         raise PrepareError(
             f"the tokenizer in {verifier_path} has no chat template; the loss mask is derived from it "
@@ -124,10 +128,11 @@ def prepare_fingerprint(verifier_path: str, sources: list[str], max_rows: int | 
 
 
 def prepare(verifier_path: str, sources: list[str], output_dir: str | Path, *, max_seq_len: int,
-            max_rows: int | None = None, supervise_end_of_turn: bool = False) -> PreparedData:
+            max_rows: int | None = None, supervise_end_of_turn: bool = False,
+            trust_remote_code: bool = False) -> PreparedData:
     """Tokenize and mask the chat data; reuses an existing result made from the same inputs."""
     t0 = time.monotonic()
-    tokenizer = load_tokenizer(verifier_path)
+    tokenizer = load_tokenizer(verifier_path, trust_remote_code)
     end_of_turn = end_of_turn_ids(verifier_path, tokenizer) if supervise_end_of_turn else frozenset()
     fingerprint = prepare_fingerprint(verifier_path, sources, max_rows, max_seq_len,
                                       supervise_end_of_turn=supervise_end_of_turn)

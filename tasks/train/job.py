@@ -42,6 +42,7 @@ class TrainResult:
     trained_tokens: int  # real (unpadded) tokens of this process group's optimizer steps, this attempt
     steady_tokens_per_s: float | None  # training steps only: no compilation window, validation or checkpoints
     wall_s: float  # the whole attempt: start-up, data, compilation, training, validation, export
+    target_check: dict | None = None  # tasks/train/targets.py: the targets against the verifier's own logits
 
 
 def train_fingerprint(manifest_fp: str, vocab_fp: str, settings: dict) -> str:

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from tasks.common.progress import Progress, ProgressCallback
+from tasks.common.verifier import inspect_verifier
 from tasks.common.workers import progress_file_callback, reporting_errors
 from tasks.extract.shards import read_manifest
 from tasks.train.acceptance import simulated_acceptance_length
@@ -55,6 +56,7 @@ from tasks.train.evaluation import accumulate, evaluate, reduce_metrics, reduce_
 from tasks.train.job import TrainJob, TrainResult
 from tasks.train.model import build_draft, build_optimizers
 from tasks.train.step_profile import StepProfiler
+from tasks.train.targets import check_targets, last_states
 from tasks.train.tracking import TrainingLog
 
 log = logging.getLogger(__name__)
@@ -109,6 +111,12 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
 
     torch.manual_seed(s.seed)
     model = build_draft(job, d2t, t2d, draft_vocab, device)
+    # the targets the draft trains toward, against the verifier's own norm and head (made to agree, or refused)
+    target_check = check_targets(model, inspect_verifier(job.verifier_path), last_states(train_set),
+                                 job.trust_remote_code)
+    if rank == 0:
+        log.info("%s", target_check.describe())
+        (out_dir / "target_check.json").write_text(json.dumps(target_check.to_dict(), indent=1))
     optimizers, schedulers = build_optimizers(model, s, total_steps)
     # The fused (Triton) loss needs a GPU and crashes under torch 2.11's dynamo (research/speculators.md);
     # the eager one is the same loss, computed in plain torch.
@@ -224,7 +232,7 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
         simulated_acceptance_length=round(best["acceptance"], 4), val_metrics=best["metrics"],
         trained_tokens=trained_tokens,
         steady_tokens_per_s=round(steady_tokens / steady_s, 1) if steady_s else None,
-        wall_s=round(time.monotonic() - t0, 2),
+        wall_s=round(time.monotonic() - t0, 2), target_check=target_check.to_dict(),
     )
     replayed = best["metrics"].get("replayed_acceptance_length")
     log.info("draft exported to %s: best step %d, simulated acceptance length %.3f (k=%d), replayed %s "

@@ -1,17 +1,30 @@
 """The draft to train and its optimizers, built with speculators' own factories.
 
-The draft is speculators' Eagle3DraftModel, configured from the verifier (full attention in
-every layer, as vLLM's EAGLE-3 serves it); the optimizers are speculators' (AdamW or Muon), each
-with a cosine schedule after a linear warmup. Saving, resuming and exporting it: tasks/train/checkpoints.py.
+The draft is speculators' Eagle3DraftModel, shaped like the verifier (hidden size, heads, vocabulary)
+but built from what vLLM's EAGLE-3 draft serves, whatever the verifier uses: a Llama layer with full
+attention, a SiLU MLP, RMSNorm, and a rope vLLM computes as transformers does. The optimizers are
+speculators' (AdamW or Muon), each with a cosine schedule after a linear warmup. Saving, resuming and
+exporting it: tasks/train/checkpoints.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 
 import torch
 
 from tasks.train.job import TrainJob
+
+log = logging.getLogger(__name__)
+
+# vLLM's EAGLE-3 draft (llama_eagle3.py) builds Llama MLPs, which refuse any activation but SiLU
+# ("Unsupported activation: gelu_pytorch_tanh. Only silu is supported for now").
+SERVED_ACTIVATION = "silu"
+# Rope types that transformers (training) and vLLM's get_rope (serving) compute alike for a Llama
+# layer. A verifier with another (YaRN and its variants, whose attention scaling the two libraries
+# derive differently) gives the draft plain rope at its theta: the draft's positions are its own.
+SERVED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def build_draft(job: TrainJob, d2t, t2d, draft_vocab_size: int, device: torch.device):
@@ -22,10 +35,15 @@ def build_draft(job: TrainJob, d2t, t2d, draft_vocab_size: int, device: torch.de
 
     s = job.train_settings
     layer_config = create_transformer_layer_config(
-        verifier_name_or_path=job.verifier_path, num_layers=s.num_layers, draft_arch="llama", hidden_act=None,
-        sliding_window=s.total_seq_len, full_attention_indices=list(range(s.num_layers)),
+        verifier_name_or_path=job.verifier_path, num_layers=s.num_layers, draft_arch="llama",
+        hidden_act=SERVED_ACTIVATION, sliding_window=s.total_seq_len, full_attention_indices=list(range(s.num_layers)),
         trust_remote_code=job.trust_remote_code,
     )
+    rope = getattr(layer_config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") not in SERVED_ROPE_TYPES:
+        layer_config.rope_parameters = {"rope_type": "default", "rope_theta": rope.get("rope_theta", 10000.0)}
+        log.info("the verifier's %s rope is not computed alike by transformers and vLLM: the draft uses plain rope "
+                 "with theta %g", rope.get("rope_type"), layer_config.rope_parameters["rope_theta"])
     attn = "simple_flex_attention" if device.type == "cuda" else "sdpa"  # flex has no CPU backward
     model = Eagle3DraftModel.from_training_args(
         verifier_config=layer_config, t2d=t2d, d2t=d2t, verifier_name_or_path=job.verifier_path,

@@ -20,6 +20,10 @@ from tasks.common.errors import PermanentError
 from tasks.common.verifier import VerifierInfo
 
 VLLM_DRAFT_ARCHITECTURES = ("llama", "qwen3")  # transformer_layer_config.model_type vLLM maps to an EAGLE-3 class
+# vLLM's EAGLE-3 draft layers: SiLU MLPs only ("Unsupported activation ... Only silu is supported"), and
+# rotary embeddings of these types (model_executor/layers/rotary_embedding get_rope; "mrope" for VL verifiers)
+VLLM_DRAFT_ACTIVATIONS = ("silu",)
+VLLM_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope", "ntk", "mrope")
 EAGLE31_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
 
 
@@ -102,6 +106,13 @@ def _check_config(report: StaticReport, config: dict, verifier: VerifierInfo, ex
     report.add("draft_architecture_supported", layer_config.get("model_type") in VLLM_DRAFT_ARCHITECTURES,
                f"transformer_layer_config.model_type={layer_config.get('model_type')!r}; vLLM serves "
                f"{VLLM_DRAFT_ARCHITECTURES}")
+    act = layer_config.get("hidden_act")
+    report.add("draft_activation_served", act in VLLM_DRAFT_ACTIVATIONS,
+               f"transformer_layer_config.hidden_act={act!r}: vLLM's EAGLE-3 draft refuses it ('Unsupported "
+               f"activation: {act}. Only silu is supported for now')")
+    rope_type = (layer_config.get("rope_parameters") or layer_config.get("rope_scaling") or {}).get("rope_type", "default")
+    report.add("draft_rope_served", rope_type in VLLM_ROPE_TYPES,
+               f"transformer_layer_config rope_type={rope_type!r}: vLLM's draft layer builds {VLLM_ROPE_TYPES}")
     aux = config.get("eagle_aux_hidden_state_layer_ids")
     ok = isinstance(aux, list) and len(aux) == 3 and all(isinstance(k, int) and 0 <= k <= verifier.num_layers for k in aux)
     report.add("three_aux_layers_in_depth", ok,

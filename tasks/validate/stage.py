@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tasks.common.errors import PermanentError
 from tasks.common.verifier import inspect_verifier
-from tasks.common.vllm_support import vllm_available
+from tasks.common.vllm_support import eagle3_support
 from tasks.validate.draft_check import EAGLE31_FLAGS, DraftCheckError, check_draft
 from tasks.validate.vllm_live import compare_outputs, mtbench_prompts, run_engine
 
@@ -59,7 +59,7 @@ def installed_vllm_flags() -> dict[str, bool] | None:
 
 
 def validate(draft: str, verifier_path: str, aux_layers: list[int], settings, out_dir: str | Path, *,
-             simulated_acceptance_length: float | None = None,
+             trust_remote_code: bool = False, simulated_acceptance_length: float | None = None,
              replayed_acceptance_length: float | None = None) -> ValidationResult:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -74,13 +74,14 @@ def validate(draft: str, verifier_path: str, aux_layers: list[int], settings, ou
         write_reports(out_dir, report)
         raise DraftCheckError(f"{draft} would not serve correctly in vLLM:\n  " + "\n  ".join(static.errors))
 
-    live = settings.live == "required" or (settings.live == "auto" and vllm_available())
-    if settings.live == "required" and not vllm_available():
-        raise ValidationFailed("validation.live=required but vLLM does not import here (install the cpu or gpu extra)")
+    support = eagle3_support(verifier) if settings.live != "skip" else None
+    live = support is not None and support.supported
+    if settings.live == "required" and not live:
+        raise ValidationFailed(f"validation.live: required, but {support.problem}")
     if live:
-        report["live"] = serve_and_measure(draft, verifier_path, settings, out_dir)
-    else:
-        log.info("vLLM is not installed here: static checks only (validation.live=%s)", settings.live)
+        report["live"] = serve_and_measure(draft, verifier_path, settings, out_dir, trust_remote_code)
+    elif support is not None:
+        log.info("%s: static checks only (validation.live: %s)", support.problem, settings.live)
     write_reports(out_dir, report)
     measured = report.get("live", {}).get("draft", {})
     baseline = report.get("live", {}).get("baseline", {})
@@ -100,17 +101,18 @@ def validate(draft: str, verifier_path: str, aux_layers: list[int], settings, ou
     return result
 
 
-def serve_and_measure(draft: str, verifier_path: str, settings, out_dir: Path) -> dict:
+def serve_and_measure(draft: str, verifier_path: str, settings, out_dir: Path, trust_remote_code: bool = False) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(verifier_path)
+    tokenizer = AutoTokenizer.from_pretrained(verifier_path, trust_remote_code=trust_remote_code)
     prompts = mtbench_prompts(settings.prompts, tokenizer, settings.max_prompts)
     prompts_file = out_dir / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
     k, n = settings.num_speculative_tokens, settings.max_new_tokens
-    reference = run_engine(verifier_path, None, prompts_file, k, n, out_dir / "reference.json")
-    drafted = run_engine(verifier_path, draft, prompts_file, k, n, out_dir / "drafted.json")
+    engine = {"trust_remote_code": trust_remote_code}
+    reference = run_engine(verifier_path, None, prompts_file, k, n, out_dir / "reference.json", **engine)
+    drafted = run_engine(verifier_path, draft, prompts_file, k, n, out_dir / "drafted.json", **engine)
     comparison = compare_outputs(reference["token_ids"], drafted["token_ids"])
     live = {
         "prompts": len(prompts), "num_speculative_tokens": k, "max_new_tokens": n,
@@ -123,7 +125,7 @@ def serve_and_measure(draft: str, verifier_path: str, settings, out_dir: Path) -
     }
     if settings.baseline_draft:
         live["baseline"] = run_engine(verifier_path, settings.baseline_draft, prompts_file, k, n,
-                                      out_dir / "baseline.json")["spec_decode"]
+                                      out_dir / "baseline.json", **engine)["spec_decode"]
     log.info("vLLM: mean acceptance length %.3f (k=%d), per position %s, identical greedy outputs %s; decoding "
              "%.1f tokens/s with the draft vs %.1f alone (%.2fx, %s)", live["draft"]["mean_acceptance_length"] or 1.0,
              k, [round(x, 3) for x in live["draft"]["per_position_acceptance"]], live["identical_outputs"],

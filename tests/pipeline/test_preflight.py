@@ -40,7 +40,8 @@ def test_each_problem_is_named_in_one_line_before_any_work(setup, capsys):
         (["data.sources=[" + str(tmp_path / "missing.jsonl") + "]"], "data source not found: " + str(tmp_path)),
         (["data.sources=[" + str(tmp_path / "empty.jsonl") + "]"], "empty.jsonl is empty"),
         (["extract.aux_layers=[2, 15, 40]"], "outside the verifier's depth: ids run 1..30"),
-        (["extract.aux_layers=[0, 15, 27]"], "extract.aux_layers: Value error, layer ids must be distinct and >= 1"),
+        (["extract.aux_layers=[0, 15, 27]"], "extract.aux_layers (from --set extract.aux_layers=[0, 15, 27]): Value "
+                                             "error, layer ids must be distinct and >= 1"),
         (["output_dir=/sys/eagle3-out"], "output_dir /sys/eagle3-out is not writable"),
         (["output_dir=" + str(tmp_path / "a-file" / "out")], "a-file is a file, not a folder"),
         (["validation.live=auto", "validation.prompts=" + str(tmp_path / "prompts.jsonl")], "validation.prompts"),
@@ -53,3 +54,53 @@ def test_each_problem_is_named_in_one_line_before_any_work(setup, capsys):
             assert len(err) == 1 and err[0].startswith("error: "), err
     assert not (tmp_path / "out").exists()  # nothing was created, Prefect never started
     assert not os.environ.get("PREFECT_HOME", "").startswith(str(tmp_path))
+
+
+def test_a_verifier_folder_without_a_usable_tokenizer_is_named(setup, smollm2, capsys):
+    tmp_path, config = setup
+    no_tokenizer = tmp_path / "no-tokenizer"
+    no_tokenizer.mkdir()
+    for f in Path(smollm2).iterdir():
+        if f.name not in ("tokenizer.json", "vocab.json", "merges.txt"):
+            os.symlink(f, no_tokenizer / f.name)
+    code, err = run_cli(tmp_path, config, capsys, f"verifier.path={no_tokenizer}")
+    assert code == 2 and err[0].startswith("error: ") and "has no tokenizer: none of tokenizer.json" in err[0], err
+
+    remote = tmp_path / "remote-tokenizer"  # tokenizer code shipped with the model, as Kimi's is
+    remote.mkdir()
+    for f in Path(smollm2).iterdir():
+        if f.name != "tokenizer_config.json":
+            os.symlink(f, remote / f.name)
+    tokenizer_config = json.loads((Path(smollm2) / "tokenizer_config.json").read_text())
+    (remote / "tokenizer_config.json").write_text(json.dumps(
+        {**tokenizer_config, "auto_map": {"AutoTokenizer": [None, "tokenization_kimi.TikTokenTokenizer"]}}))
+    code, err = run_cli(tmp_path, config, capsys, f"verifier.path={remote}")
+    assert code == 2 and "set verifier.trust_remote_code: true" in err[0] and "TikTokenTokenizer" in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_verifier_vllm_cannot_serve_is_refused_or_warned_before_any_model_loads(setup, smollm2, capsys, caplog):
+    """validation.live: required with a verifier the installed vLLM has no EAGLE-3 for stops in
+    preflight, naming the class, the vLLM version and the families it serves; auto warns and goes on."""
+    tmp_path, config = setup
+    gemma = tmp_path / "gemma"  # only config.json decides: the architecture vLLM resolves
+    gemma.mkdir()
+    for f in Path(smollm2).iterdir():
+        if f.name != "config.json":
+            os.symlink(f, gemma / f.name)
+    smol = json.loads((Path(smollm2) / "config.json").read_text())
+    (gemma / "config.json").write_text(json.dumps({**smol, "architectures": ["Gemma3ForCausalLM"]}))
+    code, err = run_cli(tmp_path, config, capsys, f"verifier.path={gemma}", "validation.live=required",
+                        "validation.prompts=" + str(gemma / "config.json"))
+    assert code == 2 and len(err) == 1, err
+    assert "validation.live: required, but vLLM 0.32.0's Gemma3ForCausalLM does not serve EAGLE-3" in err[0]
+    assert "LlamaForCausalLM" in err[0] and "Qwen3ForCausalLM" in err[0]  # what it does serve
+    assert not (tmp_path / "out").exists()
+
+    from tasks.common.config import PipelineConfig
+    from tasks.preflight import check_live_validation
+
+    wanted = PipelineConfig.model_validate({**config, "verifier": {"path": str(gemma)}, "validation": {"live": "auto"}})
+    assert "live validation will be skipped (validation.live: auto)" in check_live_validation(wanted)
+    served = PipelineConfig.model_validate({**config, "validation": {"live": "required"}})
+    assert check_live_validation(served) is None  # SmolLM2: LlamaForCausalLM

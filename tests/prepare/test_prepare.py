@@ -113,6 +113,7 @@ def test_each_bad_row_reason_is_counted_and_nothing_crashes(smollm2, tmp_path):
         {"id": "no conversation at all"},
         long_prompt,
         ["not", "a", "dict"],
+        {"conversations": [{"from": "human", "value": "a lone \ud800 surrogate"}, {"from": "gpt", "value": "hi"}]},
     ]
     source = write_lines(tmp_path / "bad.jsonl", rows)
     result = prepare(smollm2, [str(source)], tmp_path / "out", max_seq_len=128)
@@ -127,7 +128,8 @@ def test_each_bad_row_reason_is_counted_and_nothing_crashes(smollm2, tmp_path):
         "non_string_content": 1,
         "no_assistant_turn": 1,
         "not_a_conversation": 2,
-        "no_supervised_tokens": 1,
+        "prompt_exceeds_max_seq_len": 1,  # the usual cause of no supervised token, named
+        "invalid_text": 1,  # JSON carries "\ud800"; no tokenizer takes it
     }
     assert report["dropped_examples"]["invalid_json"] == ["bad.jsonl:1"]
     assert report["unknown_roles"] == {"alien": 1}  # which role, by name

@@ -15,14 +15,20 @@ code is needed where transformers knows the language model's architecture.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 
 import torch
 
 from tasks.common.progress import LoadMonitor, ProgressCallback
-from tasks.common.verifier import VerifierError, VerifierInfo, read_config, text_config
+from tasks.common.verifier import (
+    VerifierError,
+    VerifierInfo,
+    checkpoint_keys,
+    read_config,
+    text_config,
+    transformers_text_config,
+)
 
 log = logging.getLogger(__name__)
 
@@ -40,24 +46,6 @@ def decoder_layers(model: torch.nn.Module, num_layers: int) -> torch.nn.ModuleLi
     if not candidates:
         raise RuntimeError(f"no ModuleList of {num_layers} decoder layers found in {type(model).__name__}")
     return candidates[0]  # the outermost: a vision tower's layers come after the language model's by name
-
-
-def checkpoint_keys(verifier: VerifierInfo) -> list[str]:
-    """Tensor names of a safetensors checkpoint, from its index or the files' headers (no tensor is read)."""
-    index = verifier.path / "model.safetensors.index.json"
-    if index.is_file():
-        return list(json.loads(index.read_text())["weight_map"])
-    files = [f for f in verifier.weight_files if f.endswith(".safetensors")]
-    if not files:
-        raise VerifierError(f"{verifier.path}: a nested (multimodal) verifier is read from safetensors files; found "
-                            f"{list(verifier.weight_files)}")
-    from safetensors import safe_open
-
-    keys = []
-    for name in files:
-        with safe_open(str(verifier.path / name), "pt") as f:
-            keys.extend(f.keys())
-    return keys
 
 
 def language_model_prefix(keys: list[str], decoder_keys: list[str], where) -> str:
@@ -78,6 +66,15 @@ def language_model_prefix(keys: list[str], decoder_keys: list[str], where) -> st
     return complete[0]
 
 
+def wrapper_text_config(verifier: VerifierInfo):
+    """The language model's config as the wrapper's own config class builds it (Kimi-K2.5's names its
+    DeepSeek-V3 body "kimi_k2"), or None where transformers knows neither."""
+    try:
+        return transformers_text_config(verifier.path)
+    except (KeyError, ValueError, OSError):
+        return None
+
+
 def load_language_model(verifier: VerifierInfo, dtype: torch.dtype, device_map, trust_remote_code: bool):
     """The decoder of a wrapper's language model, built from its nested config, its weights read
     under their prefix in the wrapper's checkpoint."""
@@ -88,14 +85,16 @@ def load_language_model(verifier: VerifierInfo, dtype: torch.dtype, device_map, 
     try:
         config = AutoConfig.for_model(**nested)
     except (KeyError, ValueError):
-        if trust_remote_code:  # the wrapper's own code builds (and loads) the whole model
-            return None
-        from transformers import __version__
+        config = wrapper_text_config(verifier)
+        if config is None:
+            if trust_remote_code:  # the wrapper's own code builds (and loads) the whole model
+                return None
+            from transformers import __version__
 
-        raise VerifierError(
-            f"{verifier.path}: transformers {__version__} does not know the language model in config.json[{key!r}] "
-            f"(model_type {model_type!r}); set verifier.trust_remote_code: true if the folder ships its code"
-        ) from None
+            raise VerifierError(
+                f"{verifier.path}: transformers {__version__} does not know the language model in config.json"
+                f"[{key!r}] (model_type {model_type!r}); set verifier.trust_remote_code: true if the folder ships "
+                "its code") from None
     with torch.device("meta"):
         decoder_keys = list(AutoModel.from_config(config).state_dict())
     prefix = language_model_prefix(checkpoint_keys(verifier), decoder_keys, verifier.path)

@@ -7,7 +7,10 @@ are read back and packed like the transformers backend's output, then written in
 fingerprinted shards. Files go to /dev/shm when it exists (RAM, never the shard disk).
 
 vLLM loads a verifier by its architecture, a multimodal wrapper (Llava, Kimi-K2.5) included; before
-an engine starts, tasks/common/vllm_support.py checks that this vLLM has it.
+an engine starts, tasks/common/vllm_support.py checks that this vLLM has it, and that its model class
+emits auxiliary hidden states: vLLM captures them through the interface that feeds EAGLE-3 drafts,
+so a model without EAGLE-3 support cannot be extracted by vLLM either (the engine would die at start
+with "Model does not support EAGLE3 interface").
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ from pathlib import Path
 import torch
 
 from tasks.common.progress import LoadMonitor, ProgressCallback
-from tasks.common.verifier import VerifierInfo
-from tasks.common.vllm_support import check_architecture
+from tasks.common.verifier import VerifierError, VerifierInfo
+from tasks.common.vllm_support import EXTRACTION_ADVICE, check_architecture, eagle3_support
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,9 @@ class VllmBackend:
         from vllm import LLM
 
         check_architecture(self.verifier)
+        support = eagle3_support(self.verifier)
+        if not support.supported:
+            raise VerifierError(f"{support.problem}; {EXTRACTION_ADVICE}")
         scratch = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         self.storage = tempfile.mkdtemp(prefix="eagle3-hs-", dir=scratch)
         on_cpu = not torch.cuda.is_available()
