@@ -43,11 +43,11 @@ from tasks.vocab import VocabResult, build_vocab
 
 # The source of every tasks module a stage runs is part of its cache key (editing one re-runs the
 # stage), but for plumbing that cannot change what a stage writes: it reports, locks, launches
-# workers, reads settings (their values are in the key) or asks what is installed. The executor
-# (local or Ray) is no part of a key: both write the same outputs. tests/pipeline/test_code_layout.py
-# checks these lists against what each stage imports.
+# workers, reads settings (their values are in the key), asks what is installed or names the cache
+# folder. The executor (local or Ray) is no part of a key: both write the same outputs.
+# tests/pipeline/test_code_layout.py checks these lists against what each stage imports.
 PLUMBING = ("tasks.common.config", "tasks.common.errors", "tasks.common.folder_lock", "tasks.common.progress",
-            "tasks.common.vllm_support", "tasks.common.workers")
+            "tasks.common.vllm_support", "tasks.common.workers", "tasks.common.demo_assets")
 PREPARE_CODE = ("tasks.prepare.stage", "tasks.prepare.dataset", "tasks.prepare.chat_data",
                 "tasks.prepare.chat_template", "tasks.prepare.regenerate", "tasks.prepare.generators",
                 "tasks.prepare.decode_attention", "tasks.common.journal", "tasks.common.verifier")
@@ -59,8 +59,7 @@ VOCAB_CODE = ("tasks.vocab", "tasks.prepare.dataset", "tasks.common.verifier")
 TRAIN_CODE = ("tasks.train.stage", "tasks.train.job", "tasks.train.loop", "tasks.train.data", "tasks.train.model",
               "tasks.train.evaluation", "tasks.train.acceptance", "tasks.train.checkpoints", "tasks.train.step_profile",
               "tasks.train.tracking", "tasks.train.targets", "tasks.extract.shards", "tasks.extract.storage_dtype",
-              "tasks.extract.backends.hf", "tasks.prepare.dataset", "tasks.vocab", "tasks.common.journal",
-              "tasks.common.verifier")
+              "tasks.prepare.dataset", "tasks.vocab", "tasks.common.journal", "tasks.common.verifier")
 VALIDATE_CODE = ("tasks.validate.stage", "tasks.validate.draft_check", "tasks.validate.vllm_live",
                  "tasks.common.verifier")
 
