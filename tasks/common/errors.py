@@ -9,10 +9,10 @@ repeat the same error after a back-off.
   always had: `VerifierError(PermanentError, ValueError)`).
 - Of Python's own, the errors of a program meeting input it cannot handle are deterministic:
   ValueError, TypeError, LookupError, AttributeError, NotImplementedError, ImportError, and the
-  file errors a retry cannot mend (a missing file or folder, a permission refused). So is the
+  file errors a retry cannot mend (a missing file, a permission refused). So is the
   OSError transformers raises for a model folder that lacks a file ("Can't load image processor
-  ..."). Others (RuntimeError, which CUDA and NCCL faults are; other OSErrors, a full disk among
-  them; MemoryError) are transient.
+  ..."). Others (RuntimeError, which CUDA and NCCL faults are; other OSErrors, a full disk and a
+  stale mount among them; MemoryError) are transient.
 - An exception may carry `deterministic = True/False` to say so itself (a worker's exception
   rebuilt in its parent process, tasks/common/workers.py).
 """
@@ -20,7 +20,7 @@ repeat the same error after a back-off.
 from __future__ import annotations
 
 DETERMINISTIC_BUILTINS = (ValueError, TypeError, LookupError, AttributeError, NotImplementedError, ImportError,
-                          FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+                          FileNotFoundError, PermissionError)
 MISSING_FILE_MESSAGES = ("Can't load", "does not appear to have a file named")  # transformers' OSErrors
 
 

@@ -12,7 +12,6 @@ from tasks.common.errors import is_deterministic
 def test_missing_files_and_refused_permissions_are_not_retried(tmp_path):
     for exc in (FileNotFoundError(errno.ENOENT, "No such file", str(tmp_path / "d2t.npy")),
                 PermissionError(errno.EACCES, "Permission denied", str(tmp_path / ".lock")),
-                NotADirectoryError(errno.ENOTDIR, "Not a directory"),
                 OSError("Can't load image processor for '/models/kimi'. If you were trying to load it from "
                         "'https://huggingface.co/models', make sure ... preprocessor_config.json file"),
                 OSError("/models/x does not appear to have a file named config.json")):

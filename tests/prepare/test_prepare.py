@@ -88,8 +88,8 @@ def test_truncation_keeps_a_prefix_and_counts_rows(tokenizer, sharegpt, tmp_path
         assert row["input_ids"] == full_ids[:max_len]
         assert row["loss_mask"] == full_mask[:max_len]
         assert row["seq_len"] == len(row["input_ids"])
-    # rows whose prompt alone fills the window have nothing to learn from and are dropped
-    assert report["dropped"].get("no_supervised_tokens", 0) > 0
+    # rows whose prompt alone fills the window have nothing to learn from and are dropped, named
+    assert report["dropped"].get("prompt_exceeds_max_seq_len", 0) > 0
 
 
 def write_lines(path: Path, rows: list) -> Path:
