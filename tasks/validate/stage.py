@@ -111,8 +111,9 @@ def serve_and_measure(draft: str, verifier_path: str, settings, out_dir: Path, t
     prompts_file.write_text(json.dumps(prompts))
     k, n = settings.num_speculative_tokens, settings.max_new_tokens
     engine = {"trust_remote_code": trust_remote_code}
-    reference = run_engine(verifier_path, None, prompts_file, k, n, out_dir / "reference.json", **engine)
+    # the draft first: where vLLM cannot serve it, the stage fails before the reference run costs its minute
     drafted = run_engine(verifier_path, draft, prompts_file, k, n, out_dir / "drafted.json", **engine)
+    reference = run_engine(verifier_path, None, prompts_file, k, n, out_dir / "reference.json", **engine)
     comparison = compare_outputs(reference["token_ids"], drafted["token_ids"])
     live = {
         "prompts": len(prompts), "num_speculative_tokens": k, "max_new_tokens": n,
