@@ -68,12 +68,16 @@ def command(argv: list[str] | None) -> int:
     show = sub.add_parser("config", help="print a config file validated, every default filled in")
     show.add_argument("--json", action="store_true", help="as one line of JSON (for `--param config=...`)")
     plan = sub.add_parser("plan", help="print the extraction plan of a config without loading the verifier "
-                          "(config.json and tokenizer files suffice): tokens, disk, shards, host memory, time; "
-                          "exits 1 when extraction would refuse to start on this machine (disk, host memory)")
+                          "(config.json suffices; without tokenizer files a stand-in counts): tokens, disk, shards, "
+                          "host memory, time; exits 1 when extraction would refuse to start on this machine (disk, "
+                          "host memory)")
     plan.add_argument("--gpu-tflops", type=float,
                       help="dense bf16 TFLOP/s of the GPU the run will get, for the time estimate "
                            "(default: an H100/H200 SXM's)")
     plan.add_argument("--json", action="store_true", help="the plan as JSON")
+    plan.add_argument("--keep", action="store_true",
+                      help="keep the tokenized data under output_dir, where the run reuses it (default: nothing "
+                           "is written)")
     for command in (run, show, plan):
         command.add_argument("config", help="YAML config (see deployments/)")
         command.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -103,7 +107,7 @@ def command(argv: list[str] | None) -> int:
         config = config.model_copy(update={"output_dir": str(output)})  # results name absolute paths
         resolved = resolve_config(config)
         if args.command == "plan":
-            return print_plan(resolved, args.gpu_tflops, args.json)
+            return print_plan(resolved, args.gpu_tflops, args.json, args.keep)
         check_before_run(resolved)
     except PermanentError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -140,13 +144,16 @@ def run_flow(pipeline, config, resolved, output: Path, prefect_home: Path, log_f
     return 0
 
 
-def print_plan(config, gpu_tflops: float | None, as_json: bool) -> int:
+def print_plan(config, gpu_tflops: float | None, as_json: bool, keep: bool) -> int:
     """The checks a plan can make without weights (data, output folder), then the plan."""
+    print(f"eagle3-pipeline plan: sizing '{config.name}' for {config.verifier.path} (tokenizing "
+          f"{', '.join(config.data.sources)}; nothing loads a model)", file=sys.stderr, flush=True)
     from tasks.plan import H100_BF16_TFLOPS, size_run
 
     check_data(config)
-    check_writable(Path(config.output_dir), "output_dir")
-    sizing = size_run(config, gpu_tflops or H100_BF16_TFLOPS)
+    if keep:
+        check_writable(Path(config.output_dir), "output_dir")
+    sizing = size_run(config, gpu_tflops or H100_BF16_TFLOPS, keep)
     print(json.dumps(sizing.summary(), indent=1) if as_json else sizing.describe())
     return 1 if sizing.problems else 0
 

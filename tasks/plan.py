@@ -1,28 +1,43 @@
-"""Size a run before renting GPUs: the extraction plan of a config, computed on any machine from
-the verifier's config.json and tokenizer files alone (no weights, no model load, no GPU).
+"""Size a run before renting GPUs, on any machine, from the verifier's config.json alone (no weights,
+no model load, no GPU; deployments/verifiers/ holds such folders for the presets' verifiers).
 
-    prepare (tokenize the chat data: the tokenizer is all it loads) -> the extraction plan
-    (tasks/extract/plan.py: tokens, bytes, shards, host memory, free disk) -> a time estimate for the
-    GPU the run will get, next to the plan's own estimate for this machine.
+    whether vLLM serves the verifier -> prepare (tokenize the chat data: the tokenizer is all it
+    loads) -> the extraction plan (tasks/extract/plan.py: tokens, bytes, shards, host memory, free
+    disk) -> a time estimate on the target GPUs, from the extraction rate measured on an H200
 
-With regeneration on, the plan counts the tokens of the answers in the data as it is; the run
-extracts the verifier's own answers instead (up to `regenerate.max_new_tokens` per turn).
-
-First of all, before tokenizing anything, it asks whether the installed vLLM can serve the verifier
-with an EAGLE-3 draft (tasks/preflight.py): a run that requires live validation and could not have
-it is refused at once, one that only wants it is warned.
+- First, before tokenizing anything, it asks whether the installed vLLM can serve the verifier with
+  an EAGLE-3 draft (tasks/preflight.py): a run that requires live validation and could not have it
+  is refused at once, one that only wants it is warned.
+- A folder without tokenizer files is tokenized by a stand-in (the demo's SmolLM2 tokenizer under
+  the folder's own chat template where it ships one); the output says which tokenizer counted.
+- The tokenized data goes to a temporary folder, removed after, unless `keep` (then under
+  output_dir, where the run reuses it): a plan leaves nothing behind.
+- With regeneration on, the plan counts the tokens of the answers in the data as it is; the run
+  extracts the verifier's own answers instead (up to `regenerate.max_new_tokens` per turn).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, replace
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.common.config import PipelineConfig
 from tasks.common.progress import format_seconds
-from tasks.common.verifier import VerifierInfo, inspect_verifier, read_config, text_config
+from tasks.common.verifier import (
+    TOKENIZER_FILES,
+    VerifierError,
+    VerifierInfo,
+    check_tokenizer_files,
+    inspect_verifier,
+    read_config,
+    text_config,
+)
 from tasks.common.vllm_support import eagle3_support
 from tasks.extract.plan import ExtractError, ExtractionPlan, check_disk, check_host_memory, make_plan
 from tasks.preflight import check_live_validation
@@ -31,79 +46,152 @@ from tasks.prepare.stage import prepare
 
 log = logging.getLogger(__name__)
 
-# Dense bf16 TFLOP/s of an H100 / H200 SXM; the plan assumes 40% of it, as tasks/extract/plan.py's
-# estimate assumes 40% of the matmul rate it measures.
+# Dense bf16 TFLOP/s of an H100 / H200 SXM (the same chip's compute), what --gpu-tflops scales from.
 H100_BF16_TFLOPS = 989.0
-UTILIZATION = 0.4
+# Extraction measured on one H200 for Llama-3.1-8B shapes (8.03 B parameters), tokens/s: eager and
+# with extract.compile (docs/benchmarks.json extract_vs_best_forward, 2026-12-03). A verifier of
+# other shapes is estimated at the same share of the GPU's arithmetic, by its active parameters.
+MEASURED_TOKENS_PER_S = {"eager": 28_741, "compiled": 32_446}
+MEASURED_PARAMETERS = 8.03e9
+STAND_IN_TOKENIZER = "smollm2-135m-instruct"  # the demo's asset (tasks/common/demo_assets.py)
 
 
 @dataclass(frozen=True)
 class RunSizing:
     plan: ExtractionPlan
     prepared: PreparedData
+    tokenizer: str  # which tokenizer counted the tokens
     parameters: int
+    active_parameters: int  # per token: a mixture of experts computes only the routed ones
     parameters_from: str  # "weights", "safetensors index" or "config.json"
+    gpus: int
     gpu_tflops: float
     gpu_seconds: float
     problems: list[str]  # why extraction would refuse to start on this machine (disk, host memory)
     regenerate: bool
     serving: str  # whether vLLM here serves the verifier with an EAGLE-3 draft (live validation)
+    kept: bool  # the prepared data stays under output_dir
 
     def summary(self) -> dict:
-        return {**self.plan.summary(), "prepared": self.prepared.path, "verifier_parameters_b": round(
-            self.parameters / 1e9, 2), "parameters_from": self.parameters_from, "gpu_tflops": self.gpu_tflops,
-            "estimated_time_on_gpu": format_seconds(self.gpu_seconds), "problems_here": self.problems,
-            "regenerate": self.regenerate, "live_validation": self.serving}
+        plan = {k: v for k, v in self.plan.summary().items() if k not in ("estimated_time", "planned_estimate")}
+        return {**plan, "prepared": self.prepared.path if self.kept else None, "tokenizer": self.tokenizer,
+                "verifier_parameters_b": round(self.parameters / 1e9, 2),
+                "active_parameters_b": round(self.active_parameters / 1e9, 2), "parameters_from": self.parameters_from,
+                "gpus": self.gpus, "gpu_tflops": self.gpu_tflops,
+                "estimated_time_on_gpu": format_seconds(self.gpu_seconds), "problems_here": self.problems,
+                "regenerate": self.regenerate, "live_validation": self.serving}
 
     def describe(self) -> str:
-        lines = [self.plan.describe(),
-                 f"  verifier: {self.parameters / 1e9:.2f} B parameters (from {self.parameters_from}); on one GPU "
-                 f"of {self.gpu_tflops:g} dense bf16 TFLOP/s at {UTILIZATION:.0%}: about "
-                 f"{format_seconds(self.gpu_seconds)}",
-                 f"  prepared data: {self.prepared.path}"
-                 + (" (regeneration is on: these are the tokens of the data's own answers; the run extracts the "
-                    "verifier's answers instead, whose lengths differ)" if self.regenerate else " (the run reuses it)"),
-                 f"  live validation: {self.serving}"]
+        plan = self.plan.describe(estimate=False)  # this machine's speed is no help: the run is elsewhere
+        active = (f", {self.active_parameters / 1e9:.1f} B active per token"
+                  if self.active_parameters < 0.9 * self.parameters else "")  # a mixture of experts
+        lines = [plan, f"  tokens counted by {self.tokenizer}"
+                       + (" (with regeneration on, these are the data's own answers; the run extracts the "
+                          "verifier's answers instead, whose lengths differ)" if self.regenerate else ""),
+                 f"  verifier: {self.parameters / 1e9:.2f} B parameters{active} (from {self.parameters_from}); "
+                 f"extraction on {self.gpus} GPU(s) of {self.gpu_tflops:g} dense bf16 TFLOP/s: about "
+                 f"{format_seconds(self.gpu_seconds)} (the rate measured for 8B shapes on an H200, "
+                 "scaled by active parameters; docs/BENCHMARKS.md)",
+                 f"  live validation: {self.serving}",
+                 f"  prepared data: {self.prepared.path} (the run reuses it)" if self.kept else
+                 "  nothing was written (--keep writes the prepared data under output_dir for the run to reuse)"]
         lines += [f"  here, extraction would refuse to start: {p}" for p in self.problems] or [
             "  here: the disk and host memory checks pass"]
         return "\n".join(lines)
 
 
-def parameter_count(verifier: VerifierInfo) -> tuple[int, str]:
-    """The verifier's parameters: from its weight files, else the safetensors index's total size,
-    else a dense decoder's count from config.json (embeddings, attention, gated MLP)."""
-    if verifier.weight_bytes:
-        return verifier.weight_bytes // 2, "weights"  # what tasks/extract/plan.py's estimate assumes (bf16)
-    index = verifier.path / "model.safetensors.index.json"
-    if index.is_file():
-        return json.loads(index.read_text())["metadata"]["total_size"] // 2, "safetensors index"
+def parameter_count(verifier: VerifierInfo) -> tuple[int, int, str]:
+    """(parameters, active parameters per token, where the total came from): the total from the
+    weight files, else the safetensors index, else config.json; the active ones from config.json
+    (a mixture of experts computes its routed and shared experts only; latent attention its ranks)."""
     lm, _ = text_config(read_config(verifier.path))
     h, layers, vocab = lm["hidden_size"], lm["num_hidden_layers"], lm["vocab_size"]
     heads = lm.get("num_attention_heads", 1)
     head_dim = lm.get("head_dim") or h // heads
-    kv_heads = lm.get("num_key_value_heads", heads)
-    attention = 2 * h * heads * head_dim + 2 * h * kv_heads * head_dim
-    mlp = 3 * h * lm.get("intermediate_size", 4 * h)
+    if lm.get("kv_lora_rank"):  # multi-head latent attention (DeepSeek-V3, Kimi-K2)
+        q_head = lm["qk_nope_head_dim"] + lm["qk_rope_head_dim"]
+        q = h * lm["q_lora_rank"] + lm["q_lora_rank"] * heads * q_head if lm.get("q_lora_rank") else h * heads * q_head
+        kv = h * (lm["kv_lora_rank"] + lm["qk_rope_head_dim"]) + lm["kv_lora_rank"] * heads * (
+            lm["qk_nope_head_dim"] + lm["v_head_dim"])
+        attention = q + kv + heads * lm["v_head_dim"] * h
+    else:
+        kv_heads = lm.get("num_key_value_heads", heads)
+        attention = 2 * h * heads * head_dim + 2 * h * kv_heads * head_dim
+    dense_mlp = 3 * h * lm.get("intermediate_size", 4 * h)
+    experts = lm.get("n_routed_experts") or lm.get("num_experts") or lm.get("num_local_experts") or 0
+    per_token = (lm.get("num_experts_per_tok") or lm.get("experts_per_token") or 0) + (lm.get("n_shared_experts") or 0)
+    expert_mlp = 3 * h * (lm.get("moe_intermediate_size") or lm.get("intermediate_size", 4 * h))
+    moe_layers = layers - (lm.get("first_k_dense_replace") or 0) if experts else 0
     embeddings = vocab * h * (1 if lm.get("tie_word_embeddings") else 2)
-    return embeddings + layers * (attention + mlp + 2 * h), "config.json"
+    base = embeddings + layers * (attention + 2 * h) + (layers - moe_layers) * dense_mlp
+    total = base + moe_layers * (experts + (lm.get("n_shared_experts") or 0)) * expert_mlp
+    active = base + moe_layers * per_token * expert_mlp
+    if verifier.weight_bytes:
+        return verifier.weight_bytes // 2, min(active, verifier.weight_bytes // 2), "weights"
+    index = verifier.path / "model.safetensors.index.json"
+    if index.is_file():
+        stored = json.loads(index.read_text())["metadata"]["total_size"] // 2
+        return stored, min(active, stored), "safetensors index"
+    return total, active, "config.json"
 
 
-def size_run(config: PipelineConfig, gpu_tflops: float = H100_BF16_TFLOPS) -> RunSizing:
-    """`config` with local paths (demo:// resolved). Writes the prepared data and creates the
-    hidden-state folder under output_dir, as the run would; loads no model."""
+@contextmanager
+def tokenizer_for(config: PipelineConfig) -> Iterator[tuple[str, str]]:
+    """(a folder prepare can load a tokenizer from, what it is): the verifier's own, or where the
+    folder has none, the demo's SmolLM2 tokenizer under the verifier's chat template if it ships one."""
+    verifier = Path(config.verifier.path)
+    try:
+        check_tokenizer_files(verifier, config.verifier.trust_remote_code)
+    except VerifierError as e:
+        if "has no tokenizer" not in str(e):
+            raise
+    else:
+        yield str(verifier), "the verifier's own tokenizer"
+        return
+    from tasks.common.demo_assets import ensure_asset
+
+    stand_in = ensure_asset(STAND_IN_TOKENIZER)
+    own_template = (verifier / "chat_template.jinja").is_file()
+    with tempfile.TemporaryDirectory(prefix="eagle3-plan-tokenizer-") as folder:
+        for name in (*TOKENIZER_FILES, "generation_config.json"):
+            source = verifier / name if name == "chat_template.jinja" and own_template else stand_in / name
+            if source.is_file():
+                shutil.copy(source, Path(folder) / name)
+        yield folder, ("a stand-in, SmolLM2's tokenizer (49,152 tokens) under "
+                       + ("the verifier's own chat template" if own_template else "SmolLM2's chat template")
+                       + ": the verifier folder has no tokenizer files, and its own tokenizer counts otherwise")
+
+
+@contextmanager
+def prepared_into(config: PipelineConfig, keep: bool) -> Iterator[Path]:
+    if keep:
+        yield Path(config.output_dir)
+        return
+    with tempfile.TemporaryDirectory(prefix="eagle3-plan-") as folder:
+        yield Path(folder)
+
+
+def size_run(config: PipelineConfig, gpu_tflops: float = H100_BF16_TFLOPS, keep: bool = False) -> RunSizing:
+    """`config` with local paths (demo:// resolved); loads no model. Nothing is written under
+    output_dir unless `keep`."""
     verifier = inspect_verifier(config.verifier.path)
     serving = serving_line(config, verifier)
-    parameters, source = parameter_count(verifier)
-    prepared = prepare(config.verifier.path, config.data.sources, config.output_dir,
-                       max_seq_len=config.data.max_seq_len, max_rows=config.data.max_rows,
-                       supervise_end_of_turn=config.data.supervise_end_of_turn,
-                       trust_remote_code=config.verifier.trust_remote_code)
-    layers = verifier.aux_layers(config.extract.aux_layers) + [verifier.num_layers]
-    out_dir = Path(config.output_dir) / "hidden_states"
-    # the plan's estimate for this machine takes the parameter count from the weights' bytes
-    sized = replace(verifier, weight_bytes=2 * parameters) if not verifier.weight_bytes else verifier
-    plan = make_plan(load_prepared(prepared.path), sized, layers, out_dir, compute_dtype=config.verifier.dtype,
-                     shard_tokens=config.extract.shard_tokens, storage_dtype=config.extract.storage_dtype)
+    parameters, active, source = parameter_count(verifier)
+    log.info("planning %s: tokenizing %s", config.name, ", ".join(config.data.sources))
+    with tokenizer_for(config) as (tokenizer_path, tokenizer), prepared_into(config, keep) as where:
+        prepared = prepare(tokenizer_path, config.data.sources, where, max_seq_len=config.data.max_seq_len,
+                           max_rows=config.data.max_rows, supervise_end_of_turn=config.data.supervise_end_of_turn,
+                           trust_remote_code=config.verifier.trust_remote_code)
+        layers = verifier.aux_layers(config.extract.aux_layers) + [verifier.num_layers]
+        out_dir = Path(config.output_dir) / "hidden_states"
+        if keep:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        # the run's folder where it exists (its shards count as done); else the nearest folder above it,
+        # for the free disk
+        probe = out_dir if out_dir.is_dir() else next(p for p in out_dir.parents if p.is_dir())
+        plan = make_plan(load_prepared(prepared.path), verifier, layers, probe, compute_dtype=config.verifier.dtype,
+                         shard_tokens=config.extract.shard_tokens, storage_dtype=config.extract.storage_dtype,
+                         check_existing=out_dir.is_dir(), estimate=False)
     problems = []
     for check in (lambda: check_disk(plan, out_dir, config.extract.reserve_disk_gb),
                   lambda: check_host_memory(plan, config.extract.workers) if plan.pending else None):
@@ -111,9 +199,12 @@ def size_run(config: PipelineConfig, gpu_tflops: float = H100_BF16_TFLOPS) -> Ru
             check()
         except ExtractError as e:
             problems.append(str(e))
-    gpu_seconds = 2 * parameters * plan.pending_tokens / (UTILIZATION * gpu_tflops * 1e12)
-    return RunSizing(plan, prepared, parameters, source, gpu_tflops, gpu_seconds, problems,
-                     config.data.regenerate.enabled, serving)
+    e = config.extract
+    gpus = e.tensor_parallel_size if e.backend == "vllm" else e.workers
+    rate = MEASURED_TOKENS_PER_S["compiled" if e.compile else "eager"] * (MEASURED_PARAMETERS / active) * (
+        gpu_tflops / H100_BF16_TFLOPS) * gpus
+    return RunSizing(plan, prepared, tokenizer, parameters, active, source, gpus, gpu_tflops,
+                     plan.pending_tokens / rate, problems, config.data.regenerate.enabled, serving, keep)
 
 
 def serving_line(config: PipelineConfig, verifier: VerifierInfo) -> str:
@@ -126,4 +217,3 @@ def serving_line(config: PipelineConfig, verifier: VerifierInfo) -> str:
         return skipped
     support = eagle3_support(verifier)
     return f"vLLM {support.vllm} serves {support.model_class} with an EAGLE-3 draft"
-

@@ -112,15 +112,15 @@ class ExtractionPlan:
             "stale_shards_gb": round(self.stale_bytes / 1e9, 3),
             "host_buffers_gb_per_worker": round(self.host_buffer_bytes / 1e9, 2),
             "estimated_time": self.estimate_text(),
-            "planned_estimate": format_seconds(self.est_seconds) if self.est_seconds is not None else "n/a",
-            "disk_write_gb_per_s": round(self.disk_bytes_per_s / 1e9, 2) if self.disk_bytes_per_s else "n/a",
-            "measured_tokens_per_s": round(self.measured_tokens_per_s) if self.measured_tokens_per_s else "n/a",
+            "planned_estimate": format_seconds(self.est_seconds) if self.est_seconds is not None else None,
+            "disk_write_gb_per_s": round(self.disk_bytes_per_s / 1e9, 2) if self.disk_bytes_per_s else None,
+            "measured_tokens_per_s": round(self.measured_tokens_per_s) if self.measured_tokens_per_s else None,
         }
 
     def estimate_text(self) -> str:
         if self.measured_seconds is not None:
             return f"{format_seconds(self.measured_seconds)} (measured)"
-        return format_seconds(self.est_seconds) if self.est_seconds is not None else "n/a"
+        return format_seconds(self.est_seconds) if self.est_seconds is not None else "not estimated"
 
     def calibrate(self, event) -> bool:
         """Correct the estimate from the first extraction progress with a measured rate (the first
@@ -136,15 +136,20 @@ class ExtractionPlan:
                  if self.est_seconds else "")
         return True
 
-    def describe(self) -> str:
+    def describe(self, estimate: bool = True) -> str:
+        """The plan in words; with `estimate`, the time on this machine too."""
         s = self.summary()
-        return (
+        text = (
             f"extraction plan: {s['samples']:,} samples, {s['tokens']:,} tokens in {s['shards']} shards "
             f"({s['shards_done']} already done); layers {s['layers']} of {self.verifier}\n"
             f"  disk ({self.storage_dtype}): {s['bytes_total_gb']} GB in all, {s['bytes_to_write_gb']} GB to write, "
             f"{s['free_disk_gb']} GB free" + (f", {s['stale_shards_gb']} GB of stale shards" if self.stale_bytes else "")
             + f"; host memory: {s['host_buffers_gb_per_worker']} GB of shard buffers per worker"
-            + f"\n  estimated time for {s['tokens_to_extract']:,} tokens: {s['estimated_time']} (rough: the slower of "
+        )
+        if not estimate:
+            return text
+        return text + (
+            f"\n  estimated time for {s['tokens_to_extract']:,} tokens: {s['estimated_time']} (rough: the slower of "
             "the weights' FLOPs at 40% of this device's matmul rate in the compute dtype"
             + (f" and the writes at the {s['disk_write_gb_per_s']} GB/s this disk took" if self.disk_bytes_per_s else "")
             + "; corrected from the first measured batches)"

@@ -1,4 +1,5 @@
-"""`eagle3-pipeline plan`: the one-GPU preset sized on this CPU machine from a config-only folder."""
+"""`eagle3-pipeline plan`: the presets sized on this CPU machine from config-only folders, nothing
+written unless asked."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ from pathlib import Path
 import pytest
 
 from flows.cli import main
+from tasks.common.progress import format_seconds
 from tasks.common.verifier import TOKENIZER_FILES, WEIGHT_SUFFIXES
-from tasks.plan import H100_BF16_TFLOPS, UTILIZATION
+from tasks.plan import H100_BF16_TFLOPS, MEASURED_PARAMETERS, MEASURED_TOKENS_PER_S
 from tasks.prepare.dataset import read_report
+
+DEPLOYMENTS = Path(__file__).resolve().parents[2] / "deployments"
 
 PRESET = Path(__file__).resolve().parents[2] / "deployments" / "llama-8b-1gpu.yaml"
 # Llama-3.1-8B-Instruct's config.json (the shapes; no weights anywhere)
@@ -35,8 +39,10 @@ def config_only(smollm2, tmp_path) -> Path:
     return folder
 
 
-def plan(capsys, *settings: str, json_output: bool = True) -> tuple[int, str]:
-    args = ["plan", str(PRESET), *[a for s in settings for a in ("--set", s)]] + (["--json"] if json_output else [])
+def plan(capsys, *settings: str, json_output: bool = True, keep: bool = True, preset: Path = PRESET
+         ) -> tuple[int, str]:
+    args = ["plan", str(preset), *[a for s in settings for a in ("--set", s)]] + (["--json"] if json_output else [])
+    args += ["--keep"] if keep else []
     code = main(args)
     return code, capsys.readouterr().out
 
@@ -54,19 +60,43 @@ def test_the_one_gpu_preset_is_planned_on_cpu_without_weights(config_only, tmp_p
     assert sized["bytes_total_gb"] == round(tokens * 4 * 4096 * 2 / 1e9, 3)
     assert sized["shards"] == 1 and sized["host_buffers_gb_per_worker"] == round(3 * tokens * 4 * 4096 * 2 / 1e9, 2)
     assert sized["parameters_from"] == "config.json" and sized["verifier_parameters_b"] == 8.03  # Llama-3.1-8B
-    assert sized["gpu_tflops"] == H100_BF16_TFLOPS and UTILIZATION == 0.4
+    assert sized["gpu_tflops"] == H100_BF16_TFLOPS and sized["gpus"] == 1  # the measured H200 rate, unscaled
+    assert sized["estimated_time_on_gpu"] == format_seconds(tokens / MEASURED_TOKENS_PER_S["compiled"]
+                                                            * 8.03e9 / MEASURED_PARAMETERS)
     assert sized["regenerate"] is True and sized["problems_here"] == []
+    assert sized["tokenizer"] == "the verifier's own tokenizer"
     assert (tmp_path / "out" / "hidden_states").is_dir() and not list((tmp_path / "out" / "hidden_states").iterdir())
 
     # the weights' index gives the parameter count when present; the text names the caveats
     (config_only / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 16_060_522_496}}))
     code, text = plan(capsys, *settings, json_output=False)
     assert code == 0
-    assert "8.03 B parameters (from safetensors index)" in text and "regeneration is on" in text
+    assert "8.03 B parameters (from safetensors index)" in text and "with regeneration on" in text
     assert f"{tokens:,} tokens in 1 shards" in text and "the disk and host memory checks pass" in text
 
     code, text = plan(capsys, *settings[:-1], "extract.reserve_disk_gb=1000000", json_output=False)
     assert code == 1 and "extraction would refuse to start: not enough disk" in text
+
+
+@pytest.mark.parametrize("preset, verifier, gpus", [
+    ("llama-8b-1gpu.yaml", "llama-3.1-8b-instruct", 1),
+    ("large-verifier.yaml", "kimi-k2.5", 8),
+])
+def test_a_preset_is_planned_from_its_config_only_folder_and_nothing_is_left_behind(preset, verifier, gpus, tmp_path,
+                                                                                    monkeypatch, capsys):
+    """What a user runs first on a fresh clone: no model anywhere, the verifier's config.json shipped
+    under deployments/verifiers/, a stand-in tokenizer under the verifier's own chat template."""
+    monkeypatch.chdir(DEPLOYMENTS.parent)  # the presets name the folders relative to the clone
+    out = tmp_path / "out"
+    code, out_json = plan(capsys, f"output_dir={out}", "data.max_rows=20", "extract.reserve_disk_gb=0",
+                          keep=False, preset=DEPLOYMENTS / preset)
+    assert code == 0, out_json
+    sized = json.loads(out_json)
+    assert sized["verifier"] == str(DEPLOYMENTS / "verifiers" / verifier) and sized["gpus"] == gpus
+    assert sized["tokenizer"].startswith("a stand-in, SmolLM2's tokenizer (49,152 tokens) under the verifier's own "
+                                         "chat template")
+    assert sized["tokens"] > 2_000 and sized["prepared"] is None and sized["estimated_time_on_gpu"]
+    assert not out.exists()  # nothing written: no prepared data, no hidden_states folder
 
 
 def test_plan_names_a_missing_verifier_folder(tmp_path, capsys):
