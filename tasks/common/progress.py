@@ -68,8 +68,11 @@ class Progress:
         self.log_every_s = log_every_s
         self.start = time.monotonic()
         self.done = done
-        self._rate_start: float | None = None  # when measuring began: after the first unit
-        self._samples: deque[tuple[float, float]] = deque()  # (time, done) since then, thinned to one a second
+        self._rate_start: float | None = None  # when measuring began: after the first unit (the clock() time)
+        self._samples: deque[tuple[float, float]] = deque()  # (clock(), done) since then, thinned to one a second
+        self._paused = 0.0  # seconds left out of the rate (exclude): validation, checkpoints
+        self._done_at_start = done
+        self._paused_over = 0.0  # units done by the last pause: the pauses so far came once per this many
         self._first_estimate: tuple[float, float] | None = None  # (done, elapsed + ETA) of the first ETA given
         self._last_log = 0.0
         self._bar = None
@@ -78,10 +81,22 @@ class Progress:
 
             self._bar = tqdm(total=total, initial=done, unit=unit, desc=stage, unit_scale=True, dynamic_ncols=True)
 
+    def clock(self, now: float) -> float:
+        """Time spent on the work itself: the pauses `exclude` was told about left out."""
+        return now - self._paused
+
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` just spent on something else (validation, a checkpoint) out of the rate.
+        The ETA adds such pauses back at their measured cost per unit of work, so it neither falls
+        after one nor jumps during one."""
+        self._paused += seconds
+        self._paused_over = self.done - self._done_at_start
+
     def rate(self, now: float) -> float | None:
-        """Units per second over the later half of the time measured so far: a slow start
-        (allocation, compilation, caches) fades out of the estimate instead of weighing on it
-        to the end, and a long run averages over many periods (validation and checkpoints included)."""
+        """Units per second over the later half of the working time measured so far: a slow start
+        (allocation, compilation, caches) fades out of the estimate instead of weighing on it to the
+        end, and a long run averages over many periods."""
+        now = self.clock(now)
         if self._rate_start is None or now <= self._rate_start:
             return None
         cut = self._rate_start + (now - self._rate_start) / 2
@@ -93,7 +108,9 @@ class Progress:
     def event(self, note: str = "") -> ProgressEvent:
         now = time.monotonic()
         rate = self.rate(now)
-        eta = (self.total - self.done) / rate if rate else None
+        left = self.total - self.done
+        pause_per_unit = self._paused / self._paused_over if self._paused_over else 0.0
+        eta = left / rate + left * pause_per_unit if rate else None
         if eta is not None and self._first_estimate is None and self.done < self.total:
             self._first_estimate = (self.done, now - self.start + eta)
         return ProgressEvent(self.stage, self.done, self.total, self.unit, rate, eta, now - self.start, note)
@@ -103,9 +120,9 @@ class Progress:
         self.done += n
         if self._rate_start is None:
             # The first unit includes warm-up (allocation, compilation): rates start after it.
-            self._rate_start = now
-        if not self._samples or now - self._samples[-1][0] >= 1.0:  # one sample a second is plenty
-            self._samples.append((now, self.done))
+            self._rate_start = self.clock(now)
+        if not self._samples or self.clock(now) - self._samples[-1][0] >= 1.0:  # one sample a second is plenty
+            self._samples.append((self.clock(now), self.done))
         if self._bar is not None:
             self._bar.update(n)
         if force or now - self._last_log >= self.log_every_s or self.done >= self.total:
@@ -187,7 +204,10 @@ class LoadMonitor(Heartbeat):
 
     def event(self, elapsed: float, final: bool | None) -> ProgressEvent:
         read = self._read_bytes() - self._read0
-        return ProgressEvent(self.stage, self._materialized() / 1e9, self.weight_bytes / 1e9, "GB", None, None, elapsed,
+        # While loading, what is materialized shows how far it got; once loaded, all of it is (memory
+        # mapped weights, shared pages and a CPU's page cache make the measure undercount).
+        loaded = self.weight_bytes if final else self._materialized()
+        return ProgressEvent(self.stage, loaded / 1e9, self.weight_bytes / 1e9, "GB", None, None, elapsed,
                              note=f"{read / 1e9:.1f} GB read from disk" + (", done" if final else ""))
 
     def __enter__(self) -> LoadMonitor:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import subprocess
@@ -32,6 +33,13 @@ def vllm_available() -> bool:
     except Exception:  # any import failure (missing, broken CUDA libs) means "not here"
         return False
     return True
+
+
+def quiet_shutdown_warnings() -> None:
+    """vLLM warns "force killing remaining process EngineCore" when its engine process outlives a
+    finished run by a few seconds at exit. Our stages have written their outputs by then, and a
+    killed engine is what is wanted: the line only worries a user who can do nothing about it."""
+    logging.getLogger("vllm.v1.utils").addFilter(lambda record: "force killing remaining" not in record.getMessage())
 
 
 def installed_vllm() -> str | None:

@@ -120,24 +120,29 @@ ERROR_PIPE_ENV = "EAGLE3_ERROR_PIPE"
 
 @contextmanager
 def reporting_errors(progress_file: str | Path | None) -> Iterator[None]:
-    """In a worker: an exception leaving the block is recorded for the parent, then re-raised
-    (its traceback still goes to stderr and the process exits non-zero)."""
+    """In a worker: an exception leaving the block is recorded for the parent, traceback included,
+    and the process exits with status 1 after one line saying so (the parent raises it, with the
+    traceback, into the run's log: a second copy on the terminal would bury the run's one error
+    line). When it cannot be recorded it is re-raised: its traceback on stderr is all there is."""
     try:
         yield
     except Exception as e:
-        if progress_file is not None:
-            record = {"rank": int(os.environ.get("RANK", 0)), "pid": os.getpid(),
-                      "type": f"{type(e).__module__}.{type(e).__qualname__}", "message": str(e),
-                      "deterministic": is_deterministic(e), "traceback": traceback.format_exc()[-8000:]}
-            line = json.dumps(record) + "\n"
-            try:
-                with errors_file(progress_file).open("a") as f:
-                    f.write(line)
-            except OSError as write_error:
-                if not send_through_pipe(line):
-                    log.error("the exception could not be reported to the parent process (%s: %s)",
-                              errors_file(progress_file), write_error.strerror or write_error)
-        raise
+        if progress_file is None:
+            raise
+        record = {"rank": int(os.environ.get("RANK", 0)), "pid": os.getpid(),
+                  "type": f"{type(e).__module__}.{type(e).__qualname__}", "message": str(e),
+                  "deterministic": is_deterministic(e), "traceback": traceback.format_exc()[-8000:]}
+        line = json.dumps(record) + "\n"
+        try:
+            with errors_file(progress_file).open("a") as f:
+                f.write(line)
+        except OSError as write_error:
+            if not send_through_pipe(line):
+                log.error("the exception could not be reported to the parent process (%s: %s)",
+                          errors_file(progress_file), write_error.strerror or write_error)
+                raise e from None
+        log.error("%s: %s (reported to the parent process)", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        raise SystemExit(1) from None
 
 
 def send_through_pipe(line: str) -> bool:

@@ -275,8 +275,8 @@ def _run_extraction(job: ExtractJob, in_process: bool, callback: ProgressCallbac
     steady = last[0].rate if last else None
     if pending_tokens:
         log.info("extracted %s tokens in %.1f s wall (%s tokens/s; start-up and verifier load included), steady "
-                 "state %s tokens/s", f"{pending_tokens:,}", extract_s, f"{pending_tokens / extract_s:,.0f}",
-                 f"{steady:,.0f}" if steady else "n/a")
+                 "state %s", f"{pending_tokens:,}", extract_s, f"{pending_tokens / extract_s:,.0f}",
+                 f"{steady:,.0f} tokens/s" if steady else "not measured (too few batches)")
     t_verify = time.monotonic()
     damaged = verify_extraction(plan, prepared, out_dir, full=s.verify == "full")
     if damaged:  # changed since written (bit rot, a copy that kept size and mtime): redone, never used

@@ -110,6 +110,9 @@ class VllmGenerator:
         import torch
         from vllm import LLM
 
+        from tasks.common.vllm_support import quiet_shutdown_warnings
+
+        quiet_shutdown_warnings()
         on_cpu = not torch.cuda.is_available()
         if on_cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")

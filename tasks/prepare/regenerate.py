@@ -32,7 +32,7 @@ from pathlib import Path
 
 from tasks.common.folder_lock import folder_lock
 from tasks.common.journal import Journal
-from tasks.common.progress import Progress, ProgressCallback
+from tasks.common.progress import Heartbeat, Progress, ProgressCallback
 from tasks.common.workers import rank_worker_main, run_processes, worker_command, write_job_file
 from tasks.prepare.chat_data import Dropped, normalize, read_rows
 
@@ -200,7 +200,10 @@ def regenerate_rank(job: RegenerateJob, rank: int = 0, world_size: int = 1,
         parts = written(out_dir)
         progress = Progress("regenerate", report.conversations, "conversation", callback)
         for i, chunk in enumerate(chunks):
-            finished, failed = regenerate_chunk(chunk, generate, tokenizer, job.max_seq_len, report, s, stops)
+            # a chunk can take minutes: a log line every 10 s says it is being generated (the progress
+            # artifact moves when a chunk is done)
+            with Heartbeat(f"regenerate: chunk {i + 1} of {len(chunks)} ({len(chunk)} conversations)"):
+                finished, failed = regenerate_chunk(chunk, generate, tokenizer, job.max_seq_len, report, s, stops)
             parts.append(*[{"id": row_id, "messages": m} for row_id, m in finished],
                          *[{"id": row_id, "reason": reason} for row_id, reason in failed.items()])
             report.regenerated += len(finished)
@@ -209,11 +212,13 @@ def regenerate_rank(job: RegenerateJob, rank: int = 0, world_size: int = 1,
             progress.update(len(chunk), note=f"{report.generated_tokens / max(report.generate_s, 1e-9):,.0f} "
                                              "generated tok/s")
         progress.close()
+    steady = (f"{report.steady_tokens_per_s:,.0f} generated tokens/s" if report.steady_tokens_per_s
+              else "not measured (one chunk: its rate includes loading the verifier)")
     log.info("rank %d of %d: regenerated %d of %d conversations with %s (%d assistant turns, %d of them cut at their "
-             "token limit; %d tokens in %.0f s of generation; steady state after the first chunk: %s generated "
-             "tokens/s); failed %s", rank, world_size, report.regenerated, report.conversations,
-             report.backend or "nothing new", report.assistant_turns, report.unfinished, report.generated_tokens,
-             report.generate_s, report.steady_tokens_per_s or "n/a", report.failed or "none")
+             "token limit; %d tokens in %.0f s of generation; steady state after the first chunk: %s); failed %s",
+             rank, world_size, report.regenerated, report.conversations, report.backend or "nothing new",
+             report.assistant_turns, report.unfinished, report.generated_tokens, report.generate_s, steady,
+             report.failed or "none")
     path = rank_report_path(out_dir, rank, world_size)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({**asdict(report), "steady_tokens_per_s": report.steady_tokens_per_s}))

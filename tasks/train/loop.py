@@ -199,6 +199,7 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
                         f"{metrics['tokens_per_s']:,.0f} tok/s")
             progress.update(1, note=note)
             if step % s.eval_every == 0 or step == total_steps:
+                t_eval = time.monotonic()
                 val = validate() if val_set else {}
                 acceptance = simulated_acceptance_length(val, s.ttt_steps) if val else 0.0
                 if acceptance > best["acceptance"] or not val:  # without a validation set, the latest is kept
@@ -218,6 +219,7 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
                 if world > 1:
                     dist.barrier()
                 t_window = time.monotonic()  # validation time is not training time
+                progress.exclude(t_window - t_eval)  # nor in the rate the ETA comes from
     progress.close()
     profiler.close()
     if world > 1:
@@ -235,12 +237,12 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
         wall_s=round(time.monotonic() - t0, 2), target_check=target_check.to_dict(),
     )
     replayed = best["metrics"].get("replayed_acceptance_length")
-    log.info("draft exported to %s: best step %d, simulated acceptance length %.3f (k=%d), replayed %s "
-             "(what vLLM should measure on answers like these); %s tokens trained, steady state %s tokens/s "
-             "(compilation, validation and checkpoints excluded), %.0f s wall", draft, best["step"],
-             best["acceptance"], s.ttt_steps, "n/a" if replayed is None else f"{replayed:.3f}",
-             f"{trained_tokens:,}",
-             f"{result.steady_tokens_per_s:,.0f}" if result.steady_tokens_per_s else "n/a", result.wall_s)
+    log.info("draft exported to %s: best step %d, simulated acceptance length %.3f (k=%d), replayed %s; %s "
+             "tokens trained, steady state %s, %.0f s wall", draft, best["step"], best["acceptance"], s.ttt_steps,
+             "not measured (no validation set)" if replayed is None
+             else f"{replayed:.3f} (what vLLM should measure on answers like these)", f"{trained_tokens:,}",
+             f"{result.steady_tokens_per_s:,.0f} tokens/s (compilation, validation and checkpoints excluded)"
+             if result.steady_tokens_per_s else "not measured (one log window: it holds compilation)", result.wall_s)
     return result
 
 

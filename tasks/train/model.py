@@ -45,12 +45,19 @@ def build_draft(job: TrainJob, d2t, t2d, draft_vocab_size: int, device: torch.de
         log.info("the verifier's %s rope is not computed alike by transformers and vLLM: the draft uses plain rope "
                  "with theta %g", rope.get("rope_type"), layer_config.rope_parameters["rope_theta"])
     attn = "simple_flex_attention" if device.type == "cuda" else "sdpa"  # flex has no CPU backward
+    # speculators' loader warns "Tensor 'lm_head.weight' not found" for every verifier with tied
+    # embeddings, whose head is its embedding; whatever tensors it takes for the head and the final
+    # norm are checked against the verifier's own before training (tasks/train/targets.py)
+    from loguru import logger
+
+    logger.disable("speculators.utils.loading")
     model = Eagle3DraftModel.from_training_args(
         verifier_config=layer_config, t2d=t2d, d2t=d2t, verifier_name_or_path=job.verifier_path,
         draft_vocab_size=draft_vocab_size, norm_before_residual=s.norm_before_residual, ttt_steps=s.ttt_steps,
         target_layer_ids=job.aux_layers, norm_before_fc=s.norm_before_fc, norm_output=s.norm_output,
         draft_attn_impl=attn, trust_remote_code=job.trust_remote_code,
     )
+    logger.enable("speculators.utils.loading")
     return model.to(device)
 
 

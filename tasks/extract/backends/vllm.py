@@ -26,7 +26,7 @@ import torch
 
 from tasks.common.progress import LoadMonitor, ProgressCallback
 from tasks.common.verifier import VerifierError, VerifierInfo
-from tasks.common.vllm_support import EXTRACTION_ADVICE, check_architecture, eagle3_support
+from tasks.common.vllm_support import EXTRACTION_ADVICE, check_architecture, eagle3_support, quiet_shutdown_warnings
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,7 @@ class VllmBackend:
         from vllm import LLM
 
         check_architecture(self.verifier)
+        quiet_shutdown_warnings()
         support = eagle3_support(self.verifier)
         if not support.supported:
             raise VerifierError(f"{support.problem}; {EXTRACTION_ADVICE}")

@@ -1,0 +1,38 @@
+"""Progress lines a user reads: rates over the work itself, ETAs that hold still around pauses
+(validation, checkpoints), a load that says done only when it is (tasks/common/progress.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tasks.common import progress
+from tasks.common.progress import LoadMonitor, Progress
+
+
+def test_validation_pauses_neither_drop_the_rate_nor_swing_the_eta(monkeypatch):
+    """A step a second, a 30-s validation every 25 steps: the rate stays a step a second, and from the
+    first validation on the ETA falls by the same amount every step, through the later ones too."""
+    clock = [0.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
+    run = Progress("train", 200, "step", log_every_s=1e9)
+    etas = []
+    for step in range(1, 151):
+        clock[0] += 1.0
+        run.update(1)
+        if step % 25 == 0:
+            clock[0] += 30.0  # validation and a checkpoint
+            run.exclude(30.0)
+        if step > 25:
+            event = run.event()
+            assert event.rate == pytest.approx(1.0)
+            etas.append(event.eta_s)
+    drops = [a - b for a, b in zip(etas, etas[1:])]
+    assert min(drops) > 0 and max(drops) / min(drops) < 1.15, drops  # no swing: steady, and always down
+    assert etas[-1] == pytest.approx(50 * (1 + 30 / 25), rel=0.05)  # 50 steps left, a validation per 25
+
+
+def test_a_finished_load_says_done_at_its_size():
+    with LoadMonitor("weights", 10**9) as monitor:
+        pass
+    event = monitor.event(1.0, final=True)
+    assert event.fraction == 1.0 and "done" in event.note
