@@ -88,10 +88,13 @@ def to_speculators_layout(manifest: Path, prepared_path: str, out: Path) -> Path
 
 
 def split_for_return(draft: Path, out: Path, part_bytes: int = 15 << 20) -> list[str]:
-    """The draft's files without embed_tokens (vLLM shares the verifier's), cut into parts."""
+    """The draft's files cut into parts, without the tensors that are frozen copies of the verifier's:
+    embed_tokens (vLLM shares the verifier's) and lm_head (the verifier's head rows that t2d selects,
+    which bench/validate_returned_draft.py puts back): ~10 MB for SmolLM2 instead of ~47."""
     from safetensors.torch import load_file, save_file
 
-    weights = {k: v for k, v in load_file(str(draft / "model.safetensors")).items() if k != "embed_tokens.weight"}
+    frozen = ("embed_tokens.weight", "lm_head.weight")
+    weights = {k: v for k, v in load_file(str(draft / "model.safetensors")).items() if k not in frozen}
     packed = out / "draft.safetensors"
     save_file(weights, str(packed))
     blob, parts = packed.read_bytes(), []

@@ -10,13 +10,16 @@ TRAIN_DIR is the train stage's folder of a finished pipeline run (`<output_dir>/
 reuses (a `data.*` override re-prepares --conversations, the run's own chat data, with that setting:
 only loss masks may differ, the tokens and so the hidden states are the same; an `extract.*`
 override, e.g. extract.storage_dtype=fp8_e4m3, extracts the run's samples again with it, into
---work). A variant is the run's train settings with its overrides and
+--work; a `vocab.draft_vocab_size` override builds the draft vocabulary again at that size from the
+run's prepared data). A variant is the run's train settings with its overrides and
 --steps optimizer steps (cosine schedule over those steps), trained in its own process; all variants
 train at once on the one GPU (a small draft leaves it underused). Reported per variant, and for the
 run's own draft: the held-out validation curve (simulated acceptance length with k=3 against step,
 from the training's own validation log, whatever its ttt_steps) and the final draft's simulated
-acceptance length on the verifier's greedy answers to the MT-Bench first turns. With --return, the
-run's draft is also written to OUT in files under 16 MiB for bench/validate_returned_draft.py.
+acceptance length on the verifier's greedy answers to the MT-Bench first turns. With --return, every
+scored draft is also written to OUT/drafts/NAME/ for bench/validate_returned_draft.py, without the
+tensors it copies from the verifier (about 10 MB for SmolLM2). --variants-only scores the variants
+and does not wait for the run's training (a run trained for one step only to give them its data).
 Started while the run still trains (its job.json is written when training starts), the variants train
 alongside it and the run's draft is scored once its training has written result.json. If the run's
 training stops without writing it (no live process holds TRAIN_DIR's lock any more), or --wait-s
@@ -49,6 +52,7 @@ from tasks.train.evaluation import evaluate_draft  # noqa: E402
 from tasks.train.job import TrainJob  # noqa: E402
 from tasks.train.stage import run_training  # noqa: E402
 from tasks.train.tracking import read_metrics  # noqa: E402
+from tasks.vocab import build_vocab  # noqa: E402
 
 K = 3  # vLLM's num_speculative_tokens in the validation stage
 # How long the run's train folder may stay unlocked before its training counts as failed: the
@@ -116,7 +120,8 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=Path("/tmp/recipe-bench"))
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--return", dest="return_draft", action="store_true",
-                   help="also write the run's draft to OUT in parts under 16 MiB")
+                   help="also write every scored draft to OUT/drafts/NAME/ (bench/validate_returned_draft.py)")
+    p.add_argument("--variants-only", action="store_true", help="score the variants alone; do not wait for the run")
     p.add_argument("--wait-s", type=float, default=7200,
                    help="how long to wait, after the variants, for the run's training to write result.json")
     a = p.parse_args()
@@ -128,7 +133,7 @@ def main() -> None:
 
     def train(name: str, overrides: list[str]):
         extra = parse_overrides(overrides)
-        prepared_path, manifest = run.prepared_path, run.manifest
+        prepared_path, manifest, vocab_path = run.prepared_path, run.manifest, run.vocab_path
         if extra.get("data"):  # same rows and tokens, other loss masks
             if not a.conversations:
                 raise SystemExit(f"variant {name} overrides data settings: give --conversations")
@@ -140,10 +145,14 @@ def main() -> None:
                 run.prepared_path, run_manifest["prepared_fingerprint"], run.verifier_path, str(a.work / name / "hs"),
                 trust_remote_code=run.trust_remote_code,
                 settings={"aux_layers": run.aux_layers, "reserve_disk_gb": 1, **extra["extract"]}), in_process=True).manifest
+        if extra.get("vocab"):  # the draft vocabulary at another size, from the run's own data
+            run_manifest = json.loads(Path(run.manifest).read_text())
+            vocab_path = build_vocab(run.prepared_path, run_manifest["prepared_fingerprint"], run.verifier_path,
+                                     a.work / name, **extra["vocab"]).path
         settings = TrainSettings.model_validate({**run.settings, **extra.get("train", {}), "max_steps": a.steps,
                                                  "epochs": 1000, "eval_every": a.eval_every,
                                                  "loader_workers": a.loader_workers})
-        job = TrainJob(**{**asdict(run), "prepared_path": prepared_path, "manifest": manifest,
+        job = TrainJob(**{**asdict(run), "prepared_path": prepared_path, "manifest": manifest, "vocab_path": vocab_path,
                           "out_dir": str(a.work / "variants" / name),
                           "settings": settings.model_dump()})
         t = time.perf_counter()
@@ -161,7 +170,12 @@ def main() -> None:
                "torch": torch.__version__, "steps": a.steps, "variants_wall_s": variants_s,
                "mtbench_answers": scoring[0].rows,
                "results": {name: {**v, **score(Path(v.pop("draft")), scoring)} for name, v in variants.items()}}
+    if a.return_draft:
+        for name, r in summary["results"].items():
+            r["returned"] = return_draft(a.work / "variants" / name / "draft", a.out / "drafts" / name, r)
     report(summary, a.out)  # the variants' figures are safe before waiting for the run
+    if a.variants_only:
+        return
 
     given_up = wait_for_run(a.train_dir, a.wait_s)
     if given_up:
@@ -169,10 +183,19 @@ def main() -> None:
     summary["results"] = {"run": {"settings": run.settings, "validation_curve": validation_curve(a.train_dir),
                                   **score(a.train_dir / "draft", scoring)}, **summary["results"]}
     if a.return_draft:
-        summary["draft_parts"] = split_for_return(a.train_dir / "draft", a.out)
-        (a.out / "acceptance.json").write_text(json.dumps(  # what bench/validate_returned_draft.py reads
-            {"ours": {"simulated_acceptance_length": summary["results"]["run"]["mtbench_simulated_acceptance_length"]}}))
+        run_scores = summary["results"]["run"]
+        run_scores["returned"] = return_draft(a.train_dir / "draft", a.out / "drafts" / "run", run_scores)
     report(summary, a.out)
+
+
+def return_draft(draft: Path, out: Path, scored: dict) -> list[str]:
+    """The draft's files for bench/validate_returned_draft.py, with its MT-Bench scores beside them."""
+    out.mkdir(parents=True, exist_ok=True)
+    parts = split_for_return(draft, out)
+    (out / "acceptance.json").write_text(json.dumps({"ours": {
+        "simulated_acceptance_length": scored["mtbench_simulated_acceptance_length"],
+        "replayed_acceptance_length": scored["mtbench_replayed_acceptance_length"]}}))
+    return parts
 
 
 def report(summary: dict, out: Path) -> None:

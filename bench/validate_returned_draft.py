@@ -4,7 +4,8 @@ acceptance next to the simulated one.
     python bench/validate_returned_draft.py RETURNED_DIR [--prompts 80 --max-new-tokens 256]
 
 RETURNED_DIR holds `draft_config.json`, `draft.safetensors.part*` and, when bench/recipe.py scored the
-draft on MT-Bench there, `acceptance.json`. The draft
+draft on MT-Bench there, `acceptance.json` (bench/recipe.py --return writes one such folder per draft,
+OUT/drafts/NAME/). The draft
 is reassembled (its verifier path pointed at the local SmolLM2 demo asset: the same model), checked
 statically, and served greedily on MT-Bench first turns with k=3.
 """
@@ -26,9 +27,19 @@ from tasks.validate.stage import validate  # noqa: E402
 
 
 def reassemble(returned: Path, draft: Path, verifier: Path) -> Path:
+    """The draft's folder again: its parts joined, and its frozen lm_head (left out by
+    bench/acceptance.split_for_return) rebuilt from the verifier's head as speculators builds it."""
+    from safetensors.torch import load, save_file
+    from speculators.utils.loading import load_model_layers
+
     draft.mkdir(parents=True, exist_ok=True)
     parts = sorted(returned.glob("draft.safetensors.part*"), key=lambda p: int(p.name.rsplit("part", 1)[1]))
-    (draft / "model.safetensors").write_bytes(b"".join(p.read_bytes() for p in parts))
+    weights = load(b"".join(p.read_bytes() for p in parts))
+    if "lm_head.weight" not in weights:
+        verifier_weights = load_model_layers(["embed_tokens.weight", "lm_head.weight"], str(verifier))
+        head = verifier_weights.get("lm_head.weight", verifier_weights["embed_tokens.weight"])  # tied: the embedding
+        weights["lm_head.weight"] = (head[weights["t2d"].bool()] if "t2d" in weights else head).contiguous()
+    save_file(weights, str(draft / "model.safetensors"))
     config = json.loads((returned / "draft_config.json").read_text())
     config["speculators_config"]["verifier"]["name_or_path"] = str(verifier)
     (draft / "config.json").write_text(json.dumps(config, indent=1))
@@ -40,6 +51,8 @@ def main() -> None:
     p.add_argument("returned")
     p.add_argument("--prompts", type=int, default=80)
     p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--work", type=Path, default=Path("/tmp/returned-drafts"),
+                   help="where the draft is reassembled and served (WORK/<returned folder's name>/)")
     p.add_argument("--record", metavar="FIGURE",
                    help="replace FIGURE (e.g. preset_vllm_acceptance_length) in docs/benchmarks.json (bench/record.py)")
     p.add_argument("--trained", default="", help="with --record: how and where the draft was trained (the command)")
@@ -47,17 +60,19 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     returned = Path(a.returned)
     verifier = ensure_asset("smollm2-135m-instruct")
-    draft = reassemble(returned, returned.parent / "returned-draft", verifier)
-    scored = returned / "acceptance.json"  # bench/recipe.py's MT-Bench score of the draft, when it ran
-    simulated = json.loads(scored.read_text())["ours"]["simulated_acceptance_length"] if scored.exists() else None
+    work = a.work / returned.resolve().name  # the returned folder may be read-only
+    draft = reassemble(returned, work / "draft", verifier)
+    scored = returned / "acceptance.json"  # bench/recipe.py's MT-Bench scores of the draft, when it ran
+    scores = json.loads(scored.read_text())["ours"] if scored.exists() else {}
+    simulated, replayed = scores.get("simulated_acceptance_length"), scores.get("replayed_acceptance_length")
     settings = ValidationSettings(prompts=str(ensure_asset("mt-bench")), max_prompts=a.prompts,
                                   max_new_tokens=a.max_new_tokens)
     result = validate(str(draft), str(verifier), json.loads((draft / "config.json").read_text())[
-        "eagle_aux_hidden_state_layer_ids"], settings, returned.parent / "returned-validation",
-        simulated_acceptance_length=simulated)
+        "eagle_aux_hidden_state_layer_ids"], settings, work / "validation",
+        simulated_acceptance_length=simulated, replayed_acceptance_length=replayed)
     print(json.dumps({"vllm_mean_acceptance_length": result.mean_acceptance_length,
                       "vllm_per_position_acceptance": result.per_position_acceptance,
-                      "simulated_acceptance_length_mtbench": simulated,
+                      "simulated_acceptance_length_mtbench": simulated, "replayed_acceptance_length_mtbench": replayed,
                       "identical_outputs": result.identical_outputs, "report": result.report_markdown}))
     if a.record:
         record({a.record: {"value": round(result.mean_acceptance_length, 3),
@@ -65,7 +80,7 @@ def main() -> None:
                            "per_position_acceptance": [round(x, 3) for x in result.per_position_acceptance],
                            "identical_greedy_outputs": f"{result.identical_outputs}",
                            "prompts": f"{a.prompts} MT-Bench first turns, {a.max_new_tokens} new tokens, greedy, k=3",
-                           "mtbench_chained": simulated, "trained": a.trained}})
+                           "mtbench_chained": simulated, "mtbench_replayed": replayed, "trained": a.trained}})
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from packaging.utils import canonicalize_name
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tasks import demo_assets  # noqa: E402
+from tasks.common import demo_assets  # noqa: E402
 
 # The H200 image (device tool, 2026-12-04): torch 2.11 and transformers 5.17 with their dependencies,
 # and these, seen importable there; everything else travels.

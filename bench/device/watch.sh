@@ -1,7 +1,7 @@
 # On the GPU machine: wait up to $1 s for the job (or until /tmp/job.log matches $2), show its
 # progress, and put the results under $OUT: one small tarball (logs, reports, metrics, profiles,
-# recipe scores, docs/benchmarks*.json* as benches with --record left them) and a returned draft's
-# parts (bench/recipe.py --return --out /tmp/recipe-out).
+# recipe scores, docs/benchmarks*.json* as benches with --record left them) and returned drafts
+# (bench/recipe.py --return --out /tmp/recipe-out).
 set -u
 end=$(( $(date +%s) + ${1:-500} ))
 until [ -f /tmp/job.done ] || [ "$(date +%s)" -ge $end ] || { [ -n "${2:-}" ] && grep -q "${2:-}" /tmp/job.log; }; do
@@ -16,7 +16,12 @@ nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader; df -h 
   ls /tmp/bench_*.log /tmp/job.log
   ls /tmp/repo/docs/benchmarks.json /tmp/repo/docs/benchmarks-history.jsonl; } > /tmp/results.list 2>/dev/null  # --record's figures
 tar -czf "$OUT/results.tgz" -T /tmp/results.list 2>/dev/null; ls -la "$OUT/results.tgz"
-cp /tmp/recipe-out/draft.safetensors.part* "$OUT/" 2>/dev/null
+# bench/recipe.py --return's drafts (OUT/drafts/NAME/), once the job has ended, as one tarball in parts:
+# here, `cat drafts.tar.part* | tar -x`, then bench/validate_returned_draft.py drafts/NAME per draft.
+if [ -d /tmp/recipe-out/drafts ] && [ -f /tmp/job.done ] && [ ! -f /tmp/returned-drafts ]; then
+  tar -C /tmp/recipe-out -cf /tmp/drafts.tar drafts && split -b 15M -d /tmp/drafts.tar "$OUT/drafts.tar.part" &&
+    touch /tmp/returned-drafts && echo "returned $(ls /tmp/recipe-out/drafts | wc -l) drafts"
+fi
 # A finished regeneration comes back once (its journal and reports, in parts): the slowest stage
 # need not run again if the machine is lost before the rest ends (setup.sh restores it).
 for reg in /tmp/runs/*/regenerated/*/; do
