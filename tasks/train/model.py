@@ -54,7 +54,8 @@ def build_draft(job: TrainJob, d2t, t2d, draft_vocab_size: int, device: torch.de
     model = Eagle3DraftModel.from_training_args(
         verifier_config=layer_config, t2d=t2d, d2t=d2t, verifier_name_or_path=job.verifier_path,
         draft_vocab_size=draft_vocab_size, norm_before_residual=s.norm_before_residual, ttt_steps=s.ttt_steps,
-        target_layer_ids=job.aux_layers, norm_before_fc=s.norm_before_fc, norm_output=s.norm_output,
+        target_layer_ids=job.aux_layers, norm_before_fc=s.norm_before_fc, fc_norm=s.fc_norm,
+        norm_output=s.norm_output,
         draft_attn_impl=attn, trust_remote_code=job.trust_remote_code,
     )
     logger.enable("speculators.utils.loading")
