@@ -31,12 +31,21 @@ class CheckpointError(ValueError):
     """A checkpoint cannot be resumed from; the message names the file and why."""
 
 
+def quiet_save_pretrained(model, folder: Path) -> None:
+    """speculators' save_pretrained without transformers' "Writing model shards" bar, which would
+    print at every checkpoint for one small shard written in well under a second."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model.save_pretrained(folder, safe_serialization=True)
+
+
 def save_checkpoint(out_dir: Path, model, optimizers, schedulers, state: dict, keep: int, best_step: int) -> Path:
     final = out_dir / "checkpoints" / f"step-{state['step']:08d}"
     tmp = final.with_name(f".tmp-{final.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    quiet_save_pretrained(model, tmp)
     torch.save({"optimizers": [o.state_dict() for o in optimizers],
                 "schedulers": [sc.state_dict() for sc in schedulers], "rng": rng_states(), **state},
                tmp / "training_state.pt")
@@ -107,7 +116,7 @@ def export_draft(model, checkpoint: Path, out_dir: Path) -> Path:
     final = out_dir / "draft"
     tmp = out_dir / ".tmp-draft"
     shutil.rmtree(tmp, ignore_errors=True)
-    draft.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
+    quiet_save_pretrained(draft.to(torch.bfloat16), tmp)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     return final

@@ -34,14 +34,18 @@ AUX = [2, 15, 27]
 FAST = {"total_seq_len": 384, "lr": 2e-3, "log_every": 1, "eval_every": 4, "val_fraction": 0.15, "seed": 3}
 
 
-@pytest.fixture(scope="module")
-def data(smollm2, sharegpt, tmp_path_factory):
-    root = tmp_path_factory.mktemp("train-data")
-    prepared = prepare(smollm2, [sharegpt], root, max_seq_len=128, max_rows=40)
+def prepared_extracted_vocab(smollm2, sharegpt, root, max_seq_len: int, max_rows: int, shard_tokens: int):
+    prepared = prepare(smollm2, [sharegpt], root, max_seq_len=max_seq_len, max_rows=max_rows)
     extraction = run_extraction(ExtractJob(prepared.path, prepared.fingerprint, smollm2, str(root / "hs"),
-                                           settings={"batch_tokens": 2048, "shard_tokens": 2000}), in_process=True)
+                                           settings={"batch_tokens": 2048, "shard_tokens": shard_tokens}),
+                                in_process=True)
     vocab = build_vocab(prepared.path, prepared.fingerprint, smollm2, root, draft_vocab_size=1024)
     return prepared, extraction, vocab
+
+
+@pytest.fixture(scope="module")
+def data(smollm2, sharegpt, tmp_path_factory):
+    return prepared_extracted_vocab(smollm2, sharegpt, tmp_path_factory.mktemp("train-data"), 128, 40, 2000)
 
 
 def job(data, smollm2, out: Path, **settings) -> TrainJob:
@@ -163,12 +167,7 @@ def test_simulated_acceptance_length_chains_conditional_accuracies():
 def varied_data(smollm2, sharegpt, tmp_path_factory):
     """Samples of varied lengths (up to 384 tokens; most ShareGPT conversations are longer and are cut
     there, so enough rows that a few shorter ones vary the packing from epoch to epoch)."""
-    root = tmp_path_factory.mktemp("varied-data")
-    prepared = prepare(smollm2, [sharegpt], root, max_seq_len=384, max_rows=48)
-    extraction = run_extraction(ExtractJob(prepared.path, prepared.fingerprint, smollm2, str(root / "hs"),
-                                           settings={"batch_tokens": 2048, "shard_tokens": 3000}), in_process=True)
-    vocab = build_vocab(prepared.path, prepared.fingerprint, smollm2, root, draft_vocab_size=1024)
-    return prepared, extraction, vocab
+    return prepared_extracted_vocab(smollm2, sharegpt, tmp_path_factory.mktemp("varied-data"), 384, 48, 3000)
 
 
 def test_kill_then_resume_across_uneven_epochs_reproduces_the_uninterrupted_run(varied_data, smollm2, tmp_path):
