@@ -59,7 +59,8 @@ VOCAB_CODE = ("tasks.vocab", "tasks.prepare.dataset", "tasks.common.verifier")
 TRAIN_CODE = ("tasks.train.stage", "tasks.train.job", "tasks.train.loop", "tasks.train.data", "tasks.train.model",
               "tasks.train.evaluation", "tasks.train.acceptance", "tasks.train.checkpoints", "tasks.train.step_profile",
               "tasks.train.tracking", "tasks.train.targets", "tasks.extract.shards", "tasks.extract.storage_dtype",
-              "tasks.prepare.dataset", "tasks.vocab", "tasks.common.journal", "tasks.common.verifier")
+              "tasks.prepare.dataset", "tasks.vocab", "tasks.common.journal", "tasks.common.sealed",
+              "tasks.common.verifier")
 VALIDATE_CODE = ("tasks.validate.stage", "tasks.validate.draft_check", "tasks.validate.vllm_live",
                  "tasks.common.verifier")
 

@@ -2,17 +2,18 @@
 
 A checkpoint holds the draft (speculators' `save_pretrained`, float32 for exact resume) and the
 training state (optimizers, schedulers, step, best, RNG states, the metrics window), written to
-`checkpoints/.tmp-step-<n>` with a COMPLETE marker, then renamed: a folder without COMPLETE is
-never used. The state holds only tensors and plain values and is read with
-`torch.load(weights_only=True)`, so a `training_state.pt` swapped into the folder cannot run code
-on load; one that would is refused with a CheckpointError naming it.
+`checkpoints/.tmp-step-<n>` and sealed (tasks/common/sealed.py): fsynced, a COMPLETE marker with
+every file's checksum, then renamed. A folder without COMPLETE is never used. A resume starts from
+the newest checkpoint whose files match their checksums and load; a damaged one (cut short,
+changed, unreadable) is skipped with a warning naming the file, and the one before it is used.
+The state holds only tensors and plain values and is read with `torch.load(weights_only=True)`, so
+a `training_state.pt` swapped into the folder cannot run code on load: it is refused as damaged.
 """
 
 from __future__ import annotations
 
 import copy
-import json
-import os
+import logging
 import pickle
 import random
 import shutil
@@ -20,6 +21,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from tasks.common.sealed import damage, seal
+
+log = logging.getLogger(__name__)
 
 
 def checkpoint_dirs(out_dir: Path) -> list[Path]:
@@ -29,6 +34,10 @@ def checkpoint_dirs(out_dir: Path) -> list[Path]:
 
 class CheckpointError(ValueError):
     """A checkpoint cannot be resumed from; the message names the file and why."""
+
+
+class DamagedCheckpoint(CheckpointError):
+    """A checkpoint's file is cut short, changed or unreadable: the one before it is used instead."""
 
 
 def quiet_save_pretrained(model, folder: Path) -> None:
@@ -49,9 +58,7 @@ def save_checkpoint(out_dir: Path, model, optimizers, schedulers, state: dict, k
     torch.save({"optimizers": [o.state_dict() for o in optimizers],
                 "schedulers": [sc.state_dict() for sc in schedulers], "rng": rng_states(), **state},
                tmp / "training_state.pt")
-    (tmp / "COMPLETE").write_text(json.dumps({"step": state["step"]}))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
+    seal(tmp, final, "COMPLETE", {"step": state["step"]})
     for old in checkpoint_dirs(out_dir)[:-keep]:
         if old.name != f"step-{best_step:08d}":
             shutil.rmtree(old, ignore_errors=True)
@@ -82,20 +89,43 @@ def load_training_state(path: Path) -> dict:
     try:
         return torch.load(path, weights_only=True)
     except pickle.UnpicklingError as e:
-        raise CheckpointError(
+        raise DamagedCheckpoint(
             f"{path} holds objects other than tensors and plain values and was not loaded (loading it could run "
-            f"code; {str(e).splitlines()[-1].strip() or 'unsupported global'}); delete {path.parent} to resume "
-            "from the checkpoint before it") from None
+            f"code; {str(e).splitlines()[-1].strip() or 'unsupported global'})") from None
     except (RuntimeError, OSError, EOFError) as e:
-        raise CheckpointError(f"{path} is damaged ({e}); delete {path.parent} to resume from the checkpoint "
-                              "before it") from None
+        raise DamagedCheckpoint(f"{path} cannot be read ({e})") from None
+
+
+def load_weights(path: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path), device=device)
+    except (SafetensorError, OSError) as e:
+        raise DamagedCheckpoint(f"{path} cannot be read ({e})") from None
+
+
+def resume_newest_intact(out_dir: Path, model, optimizers, schedulers) -> tuple[dict | None, Path | None]:
+    """The newest checkpoint whose files are intact, loaded into the model, optimizers and
+    schedulers: (its state, its folder), or (None, None) when there is none to resume from."""
+    for path in reversed(checkpoint_dirs(out_dir)):
+        problem = damage(path, "COMPLETE")
+        if problem is None:
+            try:
+                return load_checkpoint(path, model, optimizers, schedulers), path
+            except DamagedCheckpoint as e:
+                problem = str(e)
+        log.warning("checkpoint %s is damaged: %s; skipped, the checkpoint before it is used (a later save at "
+                    "that step replaces it)", path.name, problem)
+    return None, None
 
 
 def load_checkpoint(path: Path, model, optimizers, schedulers) -> dict:
-    from safetensors.torch import load_file
-
+    """A checkpoint's state into the model, optimizers and schedulers; nothing is changed when a
+    file of it cannot be read (DamagedCheckpoint)."""
     state = load_training_state(path / "training_state.pt")
-    weights = load_file(str(path / "model.safetensors"), device=str(next(model.parameters()).device))
+    weights = load_weights(path / "model.safetensors", device=str(next(model.parameters()).device))
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if unexpected or [k for k in missing if not k.startswith("verifier_")]:
         raise CheckpointError(f"checkpoint {path} does not fit the draft: missing {missing}, unexpected {unexpected}")
@@ -108,18 +138,14 @@ def load_checkpoint(path: Path, model, optimizers, schedulers) -> dict:
 
 
 def export_draft(model, checkpoint: Path, out_dir: Path) -> Path:
-    """The best checkpoint's weights in bf16, speculators' format: the folder vLLM loads."""
-    from safetensors.torch import load_file
-
+    """The best checkpoint's weights in bf16, speculators' format: the folder vLLM loads (sealed, its
+    checksums in CHECKSUMS.json)."""
     draft = copy.deepcopy(model).cpu()
-    draft.load_state_dict(load_file(str(checkpoint / "model.safetensors")), strict=False)
-    final = out_dir / "draft"
+    draft.load_state_dict(load_weights(checkpoint / "model.safetensors"), strict=False)
     tmp = out_dir / ".tmp-draft"
     shutil.rmtree(tmp, ignore_errors=True)
     quiet_save_pretrained(draft.to(torch.bfloat16), tmp)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    return final
+    return seal(tmp, out_dir / "draft", "CHECKSUMS.json", {})
 
 
 def remove_temporaries(out_dir: Path) -> None:

@@ -40,7 +40,7 @@ from tasks.common.verifier import inspect_verifier
 from tasks.common.workers import progress_file_callback, reporting_errors
 from tasks.extract.shards import read_manifest
 from tasks.train.acceptance import simulated_acceptance_length
-from tasks.train.checkpoints import checkpoint_dirs, export_draft, load_checkpoint, remove_temporaries, save_checkpoint
+from tasks.train.checkpoints import export_draft, remove_temporaries, resume_newest_intact, save_checkpoint
 from tasks.train.data import (
     MODEL_INPUTS,
     ShardDataset,
@@ -128,13 +128,12 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
     tokens = 0
     if rank == 0:
         remove_temporaries(out_dir)
-    checkpoints = checkpoint_dirs(out_dir)
-    if checkpoints:
-        state = load_checkpoint(checkpoints[-1], model, optimizers, schedulers)
+    state, resumed_from = resume_newest_intact(out_dir, model, optimizers, schedulers)
+    if state is not None:
         step, best = state["step"], state["best"]
         # the log window open at the checkpoint, summed over the ranks: rank 0 carries it on
         sums, tokens = (state["window"]["sums"] if rank == 0 else {}), state["window"]["tokens"]
-        log.info("resumed from %s (step %d of %d)", checkpoints[-1], step, total_steps)
+        log.info("resumed from %s (step %d of %d)", resumed_from, step, total_steps)
     metrics_log = TrainingLog(out_dir, step, s.tensorboard) if rank == 0 else None
     net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
 

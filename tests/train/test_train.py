@@ -18,11 +18,13 @@ import torch
 from pictures import colour_pixels
 
 from tasks.common.plots import TRAIN, VAL, training_curves
+from tasks.common.sealed import damage as damage_of
+from tasks.common.sealed import file_digest, seal
 from tasks.extract.shards import ShardError
 from tasks.extract.stage import ExtractJob, run_extraction
 from tasks.prepare.stage import prepare
 from tasks.train.acceptance import replay_speculative_decoding, simulated_acceptance_length
-from tasks.train.checkpoints import CheckpointError, checkpoint_dirs
+from tasks.train.checkpoints import checkpoint_dirs
 from tasks.train.data import TrainDataError
 from tasks.train.evaluation import evaluate_draft
 from tasks.train.job import TrainJob
@@ -299,15 +301,74 @@ def test_training_refuses_damaged_or_foreign_shards_naming_the_file(data, smollm
         assert not (folder / "train" / "checkpoints").exists(), case  # refused before the first step
 
 
-def test_a_training_state_that_would_run_code_is_refused(data, smollm2, tmp_path):
+def test_a_training_state_that_would_run_code_is_never_loaded(data, smollm2, tmp_path, caplog):
+    """Swapped in with its checksum forged too, so that only the weights-only load stands in the way:
+    the checkpoint counts as damaged and training starts over."""
     settings = {"max_steps": 2, "eval_every": 2}
     train(data, smollm2, tmp_path, **settings)
-    state = checkpoint_dirs(tmp_path)[-1] / "training_state.pt"
+    checkpoint = checkpoint_dirs(tmp_path)[-1]
+    state = checkpoint / "training_state.pt"
     marker = tmp_path / "code-ran"
     torch.save({"step": RunsCode(f"import pathlib; pathlib.Path({str(marker)!r}).touch()")}, state)
-    with pytest.raises(CheckpointError, match=f"{state} holds objects other than tensors and plain values"):
-        train(data, smollm2, tmp_path, **settings)
+    complete = json.loads((checkpoint / "COMPLETE").read_text())
+    complete["files"][state.name] = {"bytes": state.stat().st_size, "xxh3_128": file_digest(state)}
+    (checkpoint / "COMPLETE").write_text(json.dumps(complete))
+    shutil.rmtree(tmp_path / "draft")
+    with caplog.at_level("WARNING"):
+        result = train(data, smollm2, tmp_path, **settings)
     assert not marker.exists()
+    assert f"{state} holds objects other than tensors and plain values" in caplog.text
+    assert result.steps == 2 and (tmp_path / "draft" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("damage", ["training_state cut short", "weights changed"])
+def test_a_damaged_checkpoint_is_skipped_for_the_one_before_it(data, smollm2, tmp_path, caplog, damage):
+    """A kill after the checkpoint of step 4, whose file was then damaged: the resume starts from
+    step 2's and ends with the uninterrupted run's draft and log."""
+    settings = {"max_steps": 6, "eval_every": 2, "log_every": 1, "keep_checkpoints": 10}
+    reference = tmp_path / "reference"
+    train(data, smollm2, reference, **settings)
+    killed = tmp_path / "killed"
+    shutil.copytree(reference, killed)
+    for checkpoint in checkpoint_dirs(killed)[2:]:
+        shutil.rmtree(checkpoint)
+    shutil.rmtree(killed / "draft")
+    latest = checkpoint_dirs(killed)[-1]
+    if damage == "training_state cut short":
+        broken = latest / "training_state.pt"
+        broken.write_bytes(broken.read_bytes()[:1000])
+    else:  # same size, one byte flipped: only the checksum can tell
+        broken = latest / "model.safetensors"
+        blob = bytearray(broken.read_bytes())
+        blob[-10] ^= 0xFF
+        broken.write_bytes(bytes(blob))
+    with caplog.at_level("INFO"):
+        train(data, smollm2, killed, **settings)
+    assert f"checkpoint {latest.name} is damaged: {broken}" in caplog.text
+    assert "resumed from" in caplog.text and "step-00000002" in caplog.text
+    timing = ("tokens_per_s",)
+    assert [{k: v for k, v in m.items() if k not in timing} for m in read_metrics(killed)] == \
+        [{k: v for k, v in m.items() if k not in timing} for m in read_metrics(reference)]
+    assert (killed / "draft" / "model.safetensors").read_bytes() == (reference / "draft" / "model.safetensors").read_bytes()
+    assert damage_of(checkpoint_dirs(killed)[1], "COMPLETE") is None  # the next save at step 4 replaced it
+
+
+def test_a_sealed_folder_tells_each_kind_of_damage(tmp_path):
+    folder = tmp_path / ".tmp-x"
+    folder.mkdir()
+    (folder / "a.bin").write_bytes(bytes(range(256)) * 64)
+    sealed = seal(folder, tmp_path / "x", "COMPLETE", {"step": 1})
+    assert damage_of(sealed, "COMPLETE") is None and json.loads((sealed / "COMPLETE").read_text())["step"] == 1
+    blob = (sealed / "a.bin").read_bytes()
+    cases = {"cut short": (blob[:-1], "has 16383 bytes, 16384 were written"),
+             "changed": (blob[:-1] + b"x", "does not match the checksum written with it")}
+    for case, (content, message) in cases.items():
+        (sealed / "a.bin").write_bytes(content)
+        assert message in damage_of(sealed, "COMPLETE"), case
+    (sealed / "a.bin").unlink()
+    assert "a.bin is missing" in damage_of(sealed, "COMPLETE")
+    (sealed / "COMPLETE").write_text("{")
+    assert "its COMPLETE cannot be read" in damage_of(sealed, "COMPLETE")
 
 
 class RunsCode:
