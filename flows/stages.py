@@ -29,6 +29,7 @@ from flows.task_support import GPU_STAGE, RETRY_TRANSIENT, ProgressArtifact, cac
 from tasks.common import plots
 from tasks.common.config import PipelineConfig
 from tasks.common.verifier import inspect_verifier, verifier_fingerprint
+from tasks.extract.shards import quarantined_shards
 from tasks.extract.stage import ExtractJob, ExtractResult, run_extraction
 from tasks.prepare.dataset import PreparedData, read_report
 from tasks.prepare.regenerate import RegenerateJob, regenerate, regeneration_job
@@ -39,7 +40,7 @@ from tasks.train.stage import run_training
 from tasks.train.targets import TargetCheck
 from tasks.train.tracking import read_metrics
 from tasks.validate.stage import ValidationResult, fmt, validate
-from tasks.vocab import VocabResult, build_vocab
+from tasks.vocab import VocabResult, build_vocab, vocab_damage
 
 # The source of every tasks module a stage runs is part of its cache key (editing one re-runs the
 # stage), but for plumbing that cannot change what a stage writes: it reports, locks, launches
@@ -55,7 +56,7 @@ EXTRACT_CODE = ("tasks.extract.stage", "tasks.extract.plan", "tasks.extract.writ
                 "tasks.extract.storage_dtype", "tasks.extract.backends.hf", "tasks.extract.backends.vllm",
                 "tasks.extract.backends.vllm_connector", "tasks.prepare.dataset", "tasks.common.journal",
                 "tasks.common.verifier")
-VOCAB_CODE = ("tasks.vocab", "tasks.prepare.dataset", "tasks.common.verifier")
+VOCAB_CODE = ("tasks.vocab", "tasks.prepare.dataset", "tasks.common.sealed", "tasks.common.verifier")
 TRAIN_CODE = ("tasks.train.stage", "tasks.train.job", "tasks.train.loop", "tasks.train.data", "tasks.train.model",
               "tasks.train.evaluation", "tasks.train.acceptance", "tasks.train.checkpoints", "tasks.train.step_profile",
               "tasks.train.tracking", "tasks.train.targets", "tasks.extract.shards", "tasks.extract.storage_dtype",
@@ -114,8 +115,10 @@ def _extract_job(config: PipelineConfig, prepared: PreparedData) -> ExtractJob:
                       config.verifier.trust_remote_code, config.extract.model_dump())
 
 
-def _extract_key(ctx, p) -> str:
+def _extract_key(ctx, p) -> str | None:
     c: PipelineConfig = p["config"]
+    if quarantined_shards(stage_dir(c, "hidden_states")):  # training found shards damaged: no cache hit
+        return None  # hides them; the extraction redoes what is missing (Prefect caches nothing for None)
     return cache_key(ctx, p["prepared"].fingerprint, verifier_fingerprint(c.verifier.path), c.verifier.dtype,
                      c.extract.output_settings(), c.output_dir, code=EXTRACT_CODE)
 
@@ -150,8 +153,10 @@ def extract_task(config: PipelineConfig, prepared: PreparedData) -> ExtractResul
 # ---------------------------------------------------------------------------------- vocab
 
 
-def _vocab_key(ctx, p) -> str:
+def _vocab_key(ctx, p) -> str | None:
     c: PipelineConfig = p["config"]
+    if vocab_damage(c.output_dir, p["prepared"].fingerprint, c.vocab.draft_vocab_size, c.verifier.path):
+        return None  # its files changed or went missing since they were written: built again
     return cache_key(ctx, p["prepared"].fingerprint, c.vocab.draft_vocab_size,
                      inspect_verifier(c.verifier.path).vocab_size, c.output_dir, code=VOCAB_CODE)
 

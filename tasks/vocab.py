@@ -5,7 +5,8 @@ speculators' layout and its own builder (`build_vocab_mappings_from_distribution
 - `t2d` bool [verifier_vocab]: the selected target ids, sum = draft_vocab.
 Saved as `d2t.npy` / `t2d.npy` (the files speculators' trainer takes) under
 `<output_dir>/vocab/<fingerprint>/` with `report.json`, including the share of supervised tokens
-the draft vocabulary covers (tokens outside it can never be drafted).
+the draft vocabulary covers (tokens outside it can never be drafted) and each file's checksum
+(tasks/common/sealed.py): a folder whose files changed or went missing is built again.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass
@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
+from tasks.common.sealed import damage, seal
 from tasks.common.verifier import inspect_verifier
 from tasks.prepare.dataset import load_prepared
 
@@ -59,16 +60,38 @@ def vocab_fingerprint(prepared_fp: str, draft_vocab_size: int, verifier_vocab_si
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
+def vocab_folder(output_dir: str | Path, prepared_fp: str, draft_vocab_size: int,
+                 verifier_vocab: int) -> tuple[Path, str]:
+    """(the folder, the fingerprint) of a vocabulary; the draft's size capped at the verifier's."""
+    fingerprint = vocab_fingerprint(prepared_fp, min(draft_vocab_size, verifier_vocab), verifier_vocab)
+    return Path(output_dir) / "vocab" / fingerprint[:16], fingerprint
+
+
+def vocab_damage(output_dir: str | Path, prepared_fp: str, draft_vocab_size: int, verifier_path: str) -> str | None:
+    """Why a vocabulary written before can no longer be used (a file changed or gone), else None
+    (also when none was written yet)."""
+    final, _ = vocab_folder(output_dir, prepared_fp, draft_vocab_size, inspect_verifier(verifier_path).vocab_size)
+    return damage(final, "report.json") if final.is_dir() else None
+
+
+def read_result(final: Path) -> VocabResult:
+    """The folder's report, its path being where the folder is now (a moved output folder reads its own)."""
+    fields = {k: v for k, v in json.loads((final / "report.json").read_text()).items() if k not in ("files", "path")}
+    return VocabResult(path=str(final), **fields)
+
+
 def build_vocab(prepared_path: str, prepared_fp: str, verifier_path: str, output_dir: str | Path,
                 draft_vocab_size: int) -> VocabResult:
     verifier_vocab = inspect_verifier(verifier_path).vocab_size
     draft = min(draft_vocab_size, verifier_vocab)
     if draft < draft_vocab_size:
         log.info("draft vocabulary capped at the verifier's %d tokens", verifier_vocab)
-    fingerprint = vocab_fingerprint(prepared_fp, draft, verifier_vocab)
-    final = Path(output_dir) / "vocab" / fingerprint[:16]
-    if (final / "report.json").is_file():
-        return VocabResult(**json.loads((final / "report.json").read_text()))
+    final, fingerprint = vocab_folder(output_dir, prepared_fp, draft, verifier_vocab)
+    if final.is_dir():
+        problem = damage(final, "report.json")
+        if problem is None:
+            return read_result(final)
+        log.warning("vocab %s is damaged (%s): built again", final, problem)
 
     counts = token_frequencies(load_prepared(prepared_path), verifier_vocab)
     nonzero = np.nonzero(counts)[0]
@@ -84,11 +107,7 @@ def build_vocab(prepared_path: str, prepared_fp: str, verifier_path: str, output
         np.save(tmp / "d2t.npy", d2t.numpy())
         np.save(tmp / "t2d.npy", t2d.numpy())
         np.save(tmp / "token_freq.npy", counts)
-        (tmp / "report.json").write_text(json.dumps(asdict(result), indent=1))
-        os.rename(tmp, final)
-    except OSError:
-        if not (final / "report.json").is_file():
-            raise
+        seal(tmp, final, "report.json", {k: v for k, v in asdict(result).items() if k != "path"})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("vocab: %d draft tokens cover %.1f%% of %d supervised tokens (%d distinct) -> %s",

@@ -193,6 +193,29 @@ def shard_journal(out_dir: Path) -> Journal:
     return Journal(out_dir, fields={"size": int, "mtime_ns": int, "checksum": str}, newest_by="mtime_ns")
 
 
+QUARANTINE_SUFFIX = ".damaged"
+
+
+def quarantine(path: Path) -> str:
+    """Move a shard that failed its check aside (never deleted; a missing one leaves an empty marker
+    there) so that the extraction stage, cached or not, extracts it again on the next run
+    (flows/stages.py); returns what to tell the user."""
+    aside = path.with_name(path.name + QUARANTINE_SUFFIX)
+    moved = path.exists()
+    try:
+        os.replace(path, aside) if moved else aside.touch()
+    except OSError as e:  # a read-only share, say: the user has to ask for the redo
+        return f"it could not be moved aside ({e.strerror}): re-run with --refresh to extract it again"
+    return (f"{'moved aside' if moved else 'marked'} as {aside.name}; run the same command again and the "
+            "extraction extracts it again")
+
+
+def quarantined_shards(folder: Path) -> list[str]:
+    """Shards moved aside as damaged and not extracted again since."""
+    return sorted(p.name.removesuffix(QUARANTINE_SUFFIX) for p in folder.glob(f"*{QUARANTINE_SUFFIX}")
+                  if not p.with_name(p.name.removesuffix(QUARANTINE_SUFFIX)).is_file())
+
+
 def unchanged_since_journal(path: Path, entry: dict | None) -> bool:
     if entry is None or not path.is_file():
         return False
@@ -263,7 +286,7 @@ class ShardReader:
         listed, path = self.manifest["shards"][s], self.path(s)
         where = f"{path} (listed in {self.manifest_path.name})"
         if not path.is_file():
-            raise ShardError(f"{where} is missing")
+            raise ShardError(f"{where} is missing; {quarantine(path)}")
         stat = path.stat()
         try:
             with safe_open(str(path), "pt") as f:
@@ -272,18 +295,19 @@ class ShardReader:
                 stored_as = f.get_slice("hidden_states").get_dtype()
                 checksum = file_checksum(f) if meta.get("fingerprint") == listed["fingerprint"] else None
         except Exception as e:  # a truncated or foreign file fails to parse
-            raise ShardError(f"{where} is unreadable ({e})") from None
+            raise ShardError(f"{where} is unreadable ({e}); {quarantine(path)}") from None
         if meta.get("fingerprint") != listed["fingerprint"]:
             raise ShardError(f"{where} is a shard of other inputs (fingerprint {meta.get('fingerprint', '?')[:16]}, "
-                             f"the manifest lists {listed['fingerprint'][:16]}): re-run the extraction")
+                             f"the manifest lists {listed['fingerprint'][:16]}); {quarantine(path)}")
         if checksum != listed["checksum"] or checksum != meta.get("checksum"):
-            raise ShardError(f"{where} is damaged (checksum mismatch): re-run the extraction to redo it")
+            raise ShardError(f"{where} is damaged (checksum mismatch); {quarantine(path)}")
         expected = [sum(listed["lengths"]), len(self.manifest["layers"]), self.manifest["hidden_size"]]
         if shape != expected:
-            raise ShardError(f"{where} holds hidden_states {shape}, the manifest expects {expected}")
+            raise ShardError(f"{where} holds hidden_states {shape}, the manifest expects {expected}; "
+                             f"{quarantine(path)}")
         if stored_as != SAFETENSORS_DTYPES[getattr(torch, self.dtype)]:
             raise ShardError(f"{where} stores {stored_as} hidden states, {self.manifest_path.name} says "
-                             f"{self.dtype}: the shard is not this extraction's")
+                             f"{self.dtype}: the shard is not this extraction's; {quarantine(path)}")
         return stat.st_size, stat.st_mtime_ns, stat.st_ino
 
     def _open(self, s: int):

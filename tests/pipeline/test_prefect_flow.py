@@ -85,6 +85,37 @@ def test_rerun_is_all_cached_and_edited_data_reruns_what_depends_on_it(prefect_a
     assert 0 < extracted.shards_extracted < extracted.shards  # earlier shards were reused, not redone
 
 
+def test_damage_found_after_a_cached_run_is_repaired_by_the_same_command(prefect_api, workspace, tmp_path):
+    """A shard flipped in place (size and mtime kept, so only its checksum tells), then a changed
+    training setting: training finds it, fails naming it, and the same command again extracts that
+    shard again, though the extraction was cached. A vocabulary file deleted later is rebuilt likewise."""
+    from flows.pipeline import eagle3_pipeline
+
+    _, data = workspace
+    config = small_config(tmp_path / "out", data)
+    first, _ = run(config)
+    shard = sorted(Path(first["extracted"].manifest).parent.glob("shard-*.safetensors"))[-1]
+    stat, blob = shard.stat(), bytearray(shard.read_bytes())
+    blob[-10] ^= 0xFF
+    shard.write_bytes(bytes(blob))
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+    changed = config.model_copy(update={"train": config.train.model_copy(update={"seed": 1})})
+    state = eagle3_pipeline(changed, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(Exception, match=f"{shard.name}.*damaged.*moved aside.*run the same command again"):
+        state.result()
+    assert (shard.parent / f"{shard.name}.damaged").is_file()
+    second, states = run(changed)
+    assert states["extract"][0] == "Completed" and second["extracted"].shards_extracted == 1
+    assert shard.read_bytes() != bytes(blob) and second["extracted"].manifest == first["extracted"].manifest
+
+    (Path(second["vocab"].path) / "d2t.npy").unlink()
+    third, states = run(changed.model_copy(update={"train": changed.train.model_copy(update={"seed": 2})}))
+    assert states["vocab"][0] == "Completed" and states["extract"][0] == "Cached"
+    assert (Path(third["vocab"].path) / "d2t.npy").is_file() and third["vocab"].fingerprint == first["vocab"].fingerprint
+
+
 def test_transient_failure_succeeds_on_retry(prefect_api, workspace):
     """The vocab output folder is blocked (as by a stale mount) until the first attempt failed."""
     from prefect import get_client

@@ -349,7 +349,8 @@ def test_a_damaged_checkpoint_is_skipped_for_the_one_before_it(data, smollm2, tm
     timing = ("tokens_per_s",)
     assert [{k: v for k, v in m.items() if k not in timing} for m in read_metrics(killed)] == \
         [{k: v for k, v in m.items() if k not in timing} for m in read_metrics(reference)]
-    assert (killed / "draft" / "model.safetensors").read_bytes() == (reference / "draft" / "model.safetensors").read_bytes()
+    drafts = [folder / "draft" / "model.safetensors" for folder in (killed, reference)]
+    assert drafts[0].read_bytes() == drafts[1].read_bytes()
     assert damage_of(checkpoint_dirs(killed)[1], "COMPLETE") is None  # the next save at step 4 replaced it
 
 
