@@ -9,7 +9,9 @@ of one output folder share a cache and nothing leaks into ~/.prefect.
 Exit status: 0 done; 2 a problem a retry cannot fix (a bad config, a missing or empty input, an
 unwritable output folder, a deterministic failure in a stage), named in one `error:` line; 1 a
 stage that still failed after its retries, or for `plan`, an extraction this machine's disk or
-memory could not hold; 3 the output folder is in use by another run (its process and host named).
+memory could not hold; 3 the output folder is in use by another run (its process and host named);
+128 + the signal's number (143 for SIGTERM, 130 for SIGINT) a run stopped by a signal, every
+process it started ended and its flow run marked Cancelled (a second signal kills outright).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -29,7 +32,7 @@ from flows.run_log import run_log
 from tasks.common.config import ConfigError, load_config
 from tasks.common.demo_assets import resolve_config
 from tasks.common.errors import PermanentError, describe, is_deterministic
-from tasks.common.folder_lock import FolderLockedError, folder_lock
+from tasks.common.folder_lock import FolderLockedError, folder_lock, refuse_if_busy
 from tasks.preflight import check_before_run, check_data, check_writable
 
 
@@ -104,6 +107,8 @@ def command(argv: list[str] | None) -> int:
                   else yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False).rstrip())
             return 0
         output = Path(config.output_dir).resolve()
+        if args.command == "run":  # a busy folder is refused before the slow start (checks, Prefect's import)
+            refuse_if_busy(output, "eagle3-pipeline")
         config = config.model_copy(update={"output_dir": str(output)})  # results name absolute paths
         resolved = resolve_config(config)
         if args.command == "plan":
@@ -112,6 +117,9 @@ def command(argv: list[str] | None) -> int:
     except PermanentError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except FolderLockedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
 
     output.mkdir(parents=True, exist_ok=True)
     prefect_home = use_private_prefect_home(output)
@@ -127,12 +135,21 @@ def run_flow(pipeline, config, resolved, output: Path, prefect_home: Path, log_f
     """The flow in this process, one run per output folder at a time; a summary, or one `error:` line."""
     print(f"eagle3-pipeline: running '{config.name}' -> {output} (Prefect home: {prefect_home}; log: {log_file})")
     t0 = time.monotonic()
+    stop_on_signals()
     try:
         with folder_lock(output, "eagle3-pipeline"):  # one run per output folder (and its Prefect database)
             state = pipeline(config, return_state=True)
     except FolderLockedError as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
+    except PermanentError as e:  # the folder's lock file is read-only
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Stopped as stop:
+        mark_cancelled(str(stop))
+        print(f"eagle3-pipeline: stopped by {stop}: every process of the run ended after "
+              f"{time.monotonic() - stop.at:.1f} s; run the same command to resume", file=sys.stderr)
+        return 128 + stop.signum
     stages = stage_runs(state.state_details.flow_run_id)
     if not state.is_completed():
         return report_failure(state, stages, log_file)
@@ -161,6 +178,46 @@ def print_plan(config, gpu_tflops: float | None, as_json: bool, keep: bool) -> i
 # the flow's result keys -> the task that produced each
 STAGE_OF_RESULT = {"prepared": "prepare", "extracted": "extract", "vocab": "vocab", "trained": "train",
                    "validated": "validate"}
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGINT, raised in the main thread wherever the run is. A BaseException, so that
+    Prefect's engine does not take it for a task's failure to retry: the stage unwinds, ending its
+    worker processes on the way (tasks/common/workers.py), and the folder's lock goes with it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.at = signum, time.monotonic()
+
+
+def stop_on_signals() -> None:
+    """A polite stop for a `kill PID`, systemd (KillMode=process), a container runtime or Ctrl-C;
+    a second signal ends this process outright."""
+    def stop(signum, frame):
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, signal.SIG_DFL)
+        raise Stopped(signum)
+
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, stop)
+
+
+def mark_cancelled(reason: str) -> None:
+    """The stopped flow run, and its task runs still running, as Cancelled on the run's Prefect
+    server (while it still runs: it stops when this process exits)."""
+    from prefect import get_client
+    from prefect.client.schemas.sorting import FlowRunSort
+    from prefect.states import Cancelled
+
+    try:
+        with get_client(sync_client=True) as client:
+            for flow_run in client.read_flow_runs(sort=FlowRunSort.START_TIME_DESC, limit=1):
+                for task_run in client.read_task_runs():
+                    if task_run.flow_run_id == flow_run.id and not (task_run.state and task_run.state.is_final()):
+                        client.set_task_run_state(task_run.id, Cancelled(message=f"stopped by {reason}"), force=True)
+                client.set_flow_run_state(flow_run.id, Cancelled(message=f"stopped by {reason}"), force=True)
+    except Exception as e:  # the record only: the processes are already ended
+        logging.getLogger(__name__).warning("could not mark the flow run Cancelled: %s", e)
 
 
 def report_failure(state, stages: dict, log_file: Path) -> int:

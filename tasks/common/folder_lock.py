@@ -20,11 +20,30 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tasks.common.errors import PermanentError
+
 LOCK_NAME = ".lock"
 
 
 class FolderLockedError(RuntimeError):
     """Another run holds the output folder; the message names its process and host."""
+
+
+class LockNotWritableError(PermanentError, PermissionError):
+    """The folder's lock file cannot be opened for writing (read-only files): no retry mends it."""
+
+
+def busy(folder: Path, what: str) -> FolderLockedError:
+    return FolderLockedError(
+        f"{folder} is in use by another {what} run ({describe_holder(folder / LOCK_NAME)}); two runs writing one "
+        "folder would undo each other's work: wait for it to finish, or stop it (its lock goes with its process)")
+
+
+def refuse_if_busy(folder: str | Path, what: str) -> None:
+    """Raise FolderLockedError at once if a live process holds `folder`'s lock: a cheap probe before
+    a run's slow start (imports, checks), which then takes the lock itself."""
+    if held_by_live_process(folder):
+        raise busy(Path(folder), what)
 
 
 @contextmanager
@@ -34,15 +53,16 @@ def folder_lock(folder: str | Path, what: str) -> Iterator[int]:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_NAME
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except PermissionError as e:
+        raise LockNotWritableError(f"{path} cannot be opened for writing ({e.strerror}): the folder or its files "
+                                   f"are read-only; make them writable (chmod -R u+w {folder})") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise FolderLockedError(
-                f"{folder} is in use by another {what} run ({describe_holder(path)}); two runs writing one folder "
-                "would undo each other's work: wait for it to finish, or stop it (its lock goes with its process)"
-            ) from None
+            raise busy(folder, what) from None
         holder = {"pid": os.getpid(), "host": socket.gethostname(), "what": what,
                   "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv)[:300]}
         os.ftruncate(fd, 0)

@@ -301,6 +301,9 @@ def run_processes(commands: list[list[str]], progress_files: list[Path], callbac
 
         follow(running, progress_files, callback, poll_s)
         piped = [pipe.records() for pipe in pipes]
+    except BaseException:  # a stop signal (flows/cli.py) or a failure here: no worker outlives its stage
+        end_process_trees(procs)
+        raise
     finally:
         for f in outputs:
             if f is not None:
@@ -310,6 +313,34 @@ def run_processes(commands: list[list[str]], progress_files: list[Path], callbac
     failed = {i: p.returncode for i, p in enumerate(procs) if p.returncode != 0}
     if failed:
         raise worker_failure(failed, progress_files, label, logs, piped)
+
+
+def end_process_trees(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
+    """Terminate each process and everything it started (vLLM's engine processes, data loaders),
+    then kill whatever is still alive after `grace_s`."""
+    import psutil
+
+    tree = []
+    for proc in procs:
+        try:
+            parent = psutil.Process(proc.pid)
+            tree += [parent, *parent.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+    for process in tree:
+        try:
+            process.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(tree, timeout=grace_s)
+    for process in alive:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=grace_s)
+    for proc in procs:
+        proc.poll()  # reaped: no zombie left behind
 
 
 def worker_failure(failed: dict[int, int], progress_files: list[Path], label: str, logs: list[Path] | None,

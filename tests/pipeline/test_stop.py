@@ -1,0 +1,56 @@
+"""A polite stop: SIGTERM to the CLI's process alone (`kill PID`, systemd's KillMode=process, a
+container runtime signalling PID 1) ends every process of the run, and lets go of the folder."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import yaml
+from flow_support import small_config, write_sample_data
+
+from tasks.common.folder_lock import held_by_live_process
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_sigterm_to_the_cli_alone_ends_every_process_of_the_run(sharegpt, tmp_path):
+    data = write_sample_data(sharegpt, tmp_path / "chats.jsonl", 14)
+    out = tmp_path / "out"
+    config = small_config(out, data, train={"epochs": 200, "eval_every": 5})  # trains long past the signal
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config.model_dump()))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    for name in ("PREFECT_HOME", "PREFECT_API_URL"):  # the CLI's own Prefect home and server, as a user gets
+        env.pop(name, None)
+    log = tmp_path / "cli.log"
+    with log.open("w") as f:
+        cli = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(tmp_path / "run.yaml")], stdout=f,
+                               stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+    try:
+        deadline, trainer = time.monotonic() + 600, None
+        while time.monotonic() < deadline and cli.poll() is None:
+            children = psutil.Process(cli.pid).children(recursive=True)
+            trainer = next((p for p in children if "tasks.train" in " ".join(p.cmdline())), None)
+            if trainer is not None and list(out.glob("train/*/checkpoints/step-*")):
+                break
+            time.sleep(1)
+        assert trainer is not None and cli.poll() is None, log.read_text()[-3000:]
+        run_tree = psutil.Process(cli.pid).children(recursive=True)  # the trainer, Prefect's server, ...
+
+        cli.send_signal(signal.SIGTERM)  # to the CLI's process alone, not its group
+        assert cli.wait(timeout=60) == 128 + signal.SIGTERM
+        _, alive = psutil.wait_procs(run_tree, timeout=30)
+        assert not alive, [p.cmdline() for p in alive]
+    finally:
+        if cli.poll() is None or psutil.pid_exists(cli.pid):
+            os.killpg(cli.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert "stopped by SIGTERM: every process of the run ended" in text and "run the same command to resume" in text
+    assert "Traceback" not in text.split("stopped by SIGTERM")[-1]
+    assert held_by_live_process(out) is False
+    assert held_by_live_process(next(out.glob("train/*"))) is False
