@@ -4,6 +4,9 @@ file, the latest record per key winning (or, with `newest_by`, the record with t
 of that field). A torn last line (a process killed mid-write) is skipped, so that work is redone;
 a file with any other unreadable line (bit rot, a stray write) is damaged: it is discarded
 (deleted), and what it recorded counts as not done, which costs only redoing or re-verifying it.
+Each record carries the checksum of its content (`crc`, xxh3-64 of its JSON with sorted keys): a
+record changed after it was written, still valid JSON (an edited answer, say), counts as not done
+and is redone, the file's other records kept. Records from before checksums are read as they are.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import os
 import shutil
 import socket
 from pathlib import Path
+
+import xxhash
 
 from tasks.common.errors import PermanentError
 
@@ -42,7 +47,7 @@ class Journal:
         path = self.folder / f"{socket.gethostname()}-{os.getpid()}.jsonl"
         try:
             with path.open("a") as f:
-                f.write("".join(json.dumps(entry) + "\n" for entry in entries))
+                f.write("".join(json.dumps({**entry, "crc": record_checksum(entry)}) + "\n" for entry in entries))
                 f.flush()
                 os.fsync(f.fileno())
         except OSError as e:  # a cut-off line is skipped when read
@@ -68,7 +73,7 @@ class Journal:
         """The entries of one journal file; ValueError names the first line that is not one."""
         lines = data.split(b"\n")
         torn = lines.pop()  # after the last newline: empty, or the line a crash cut off
-        entries = []
+        entries, changed = [], []
         for number, line in enumerate(lines, 1):
             try:
                 entry = json.loads(line)
@@ -79,7 +84,18 @@ class Journal:
             wrong = [k for k, kind in self.fields.items() if not isinstance(entry.get(k), kind)]
             if wrong:
                 raise ValueError(f"line {number} lacks a valid {', '.join(wrong)}")
+            crc = entry.pop("crc", None)
+            if crc is not None and crc != record_checksum(entry):
+                changed.append(number)
+                continue
             entries.append(entry)
+        if changed:
+            log.warning("journal %s: %d record(s) changed since written (line %s): they count as not done",
+                        self.folder, len(changed), ", ".join(map(str, changed[:5])))
         if torn:
             log.info("journal: ignoring a last line cut off by a crash (%d bytes)", len(torn))
         return entries
+
+
+def record_checksum(entry: dict) -> str:
+    return xxhash.xxh3_64_hexdigest(json.dumps(entry, sort_keys=True).encode())

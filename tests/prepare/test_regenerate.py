@@ -73,6 +73,18 @@ def test_regeneration_rewrites_answers_with_the_verifier_and_resumes(smollm2, sh
     assert resumed.read_bytes() == recorded
     assert json.loads((tmp_path / "hf" / "report.json").read_text())["assistant_turns"] == new_turns
 
+    # an answer edited in a part file, still valid JSON: that conversation is regenerated, to the same bytes
+    for part in (tmp_path / "hf" / "parts").glob("*.jsonl"):
+        records = [json.loads(line) for line in part.read_text().splitlines()]
+        edited = next((r for r in records if "messages" in r), None)
+        if edited is not None:
+            answer = next(m for m in edited["messages"] if m["role"] == "assistant")
+            answer["content"] = "An answer the verifier never gave."
+            part.write_text("".join(json.dumps(r) + "\n" for r in records))
+            break
+    regenerate(RegenerateJob(**{**job.__dict__, "max_rows": 4}), in_process=True)
+    assert resumed.read_bytes() == recorded
+
     # each answer is the verifier's own greedy continuation of the regenerated conversation so far
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
     model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.bfloat16).eval()
