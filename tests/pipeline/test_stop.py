@@ -1,5 +1,6 @@
-"""A polite stop: SIGTERM to the CLI's process alone (`kill PID`, systemd's KillMode=process, a
-container runtime signalling PID 1) ends every process of the run, and lets go of the folder."""
+"""The CLI as a process: SIGTERM to it alone (`kill PID`, systemd's KillMode=process, a container
+runtime signalling PID 1) ends every process of the run and lets go of the folder; the next run
+starts even when the Prefect database was damaged meanwhile."""
 
 from __future__ import annotations
 
@@ -19,23 +20,31 @@ from tasks.common.folder_lock import held_by_live_process
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_sigterm_to_the_cli_alone_ends_every_process_of_the_run(sharegpt, tmp_path):
+def command_line(process: psutil.Process) -> str:
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:  # gone, or a zombie not yet reaped by its parent
+        return ""
+
+
+def test_sigterm_to_the_cli_alone_ends_every_process_and_the_next_run_survives_a_damaged_database(
+        sharegpt, tmp_path):
     data = write_sample_data(sharegpt, tmp_path / "chats.jsonl", 14)
     out = tmp_path / "out"
     config = small_config(out, data, train={"epochs": 200, "eval_every": 5})  # trains long past the signal
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config.model_dump()))
+    command = [sys.executable, "-m", "flows.cli", "run", str(tmp_path / "run.yaml")]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     for name in ("PREFECT_HOME", "PREFECT_API_URL"):  # the CLI's own Prefect home and server, as a user gets
         env.pop(name, None)
     log = tmp_path / "cli.log"
     with log.open("w") as f:
-        cli = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(tmp_path / "run.yaml")], stdout=f,
-                               stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+        cli = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
     try:
         deadline, trainer = time.monotonic() + 600, None
         while time.monotonic() < deadline and cli.poll() is None:
             children = psutil.Process(cli.pid).children(recursive=True)
-            trainer = next((p for p in children if "tasks.train" in " ".join(p.cmdline())), None)
+            trainer = next((p for p in children if "tasks.train" in command_line(p)), None)
             if trainer is not None and list(out.glob("train/*/checkpoints/step-*")):
                 break
             time.sleep(1)
@@ -45,7 +54,7 @@ def test_sigterm_to_the_cli_alone_ends_every_process_of_the_run(sharegpt, tmp_pa
         cli.send_signal(signal.SIGTERM)  # to the CLI's process alone, not its group
         assert cli.wait(timeout=60) == 128 + signal.SIGTERM
         _, alive = psutil.wait_procs(run_tree, timeout=30)
-        assert not alive, [p.cmdline() for p in alive]
+        assert not alive, [command_line(p) for p in alive]
     finally:
         if cli.poll() is None or psutil.pid_exists(cli.pid):
             os.killpg(cli.pid, signal.SIGKILL)
@@ -54,3 +63,16 @@ def test_sigterm_to_the_cli_alone_ends_every_process_of_the_run(sharegpt, tmp_pa
     assert "Traceback" not in text.split("stopped by SIGTERM")[-1]
     assert held_by_live_process(out) is False
     assert held_by_live_process(next(out.glob("train/*"))) is False
+
+    # the database damaged while no run is on: the next run sets it aside, keeps the cache, and finishes
+    database = out / ".prefect" / "prefect.db"
+    for journal in database.parent.glob("prefect.db-*"):  # SQLite's write-ahead log would mask the damage
+        journal.unlink()
+    with database.open("r+b") as f:
+        f.write(b"not a database" * 8)
+    rerun = subprocess.run([*command, "--set", "train.max_steps=6"], capture_output=True, text=True, env=env,
+                           cwd=ROOT, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"the Prefect database {database} is damaged" in rerun.stderr
+    assert list(database.parent.glob("prefect.db.damaged-*")) and database.is_file()
+    assert '"from_cache": true' in rerun.stdout  # the task cache outlived the database
