@@ -17,11 +17,13 @@ import logging
 import pickle
 import random
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from tasks.common.journal import write_error
 from tasks.common.sealed import damage, seal
 
 log = logging.getLogger(__name__)
@@ -49,16 +51,33 @@ def quiet_save_pretrained(model, folder: Path) -> None:
     model.save_pretrained(folder, safe_serialization=True)
 
 
+@contextmanager
+def writing(what: Path, tmp: Path):
+    """A failed write (a full disk, a quota, an I/O error; safetensors reports its own as
+    SafetensorError) as a DiskWriteError naming `what` and the disk's free space; the temporary
+    folder removed, so that the space it held is free again."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, SafetensorError, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and "file write failed" not in str(e):  # torch.save's own wording
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise write_error(f"writing {what}", what.parent, e if isinstance(e, OSError) else OSError(str(e))) from e
+
+
 def save_checkpoint(out_dir: Path, model, optimizers, schedulers, state: dict, keep: int, best_step: int) -> Path:
     final = out_dir / "checkpoints" / f"step-{state['step']:08d}"
     tmp = final.with_name(f".tmp-{final.name}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    quiet_save_pretrained(model, tmp)
-    torch.save({"optimizers": [o.state_dict() for o in optimizers],
-                "schedulers": [sc.state_dict() for sc in schedulers], "rng": rng_states(), **state},
-               tmp / "training_state.pt")
-    seal(tmp, final, "COMPLETE", {"step": state["step"]})
+    with writing(final, tmp):
+        tmp.mkdir(parents=True)
+        quiet_save_pretrained(model, tmp)
+        torch.save({"optimizers": [o.state_dict() for o in optimizers],
+                    "schedulers": [sc.state_dict() for sc in schedulers], "rng": rng_states(), **state},
+                   tmp / "training_state.pt")
+        seal(tmp, final, "COMPLETE", {"step": state["step"]})
     for old in checkpoint_dirs(out_dir)[:-keep]:
         if old.name != f"step-{best_step:08d}":
             shutil.rmtree(old, ignore_errors=True)
@@ -144,8 +163,9 @@ def export_draft(model, checkpoint: Path, out_dir: Path) -> Path:
     draft.load_state_dict(load_weights(checkpoint / "model.safetensors"), strict=False)
     tmp = out_dir / ".tmp-draft"
     shutil.rmtree(tmp, ignore_errors=True)
-    quiet_save_pretrained(draft.to(torch.bfloat16), tmp)
-    return seal(tmp, out_dir / "draft", "CHECKSUMS.json", {})
+    with writing(out_dir / "draft", tmp):
+        quiet_save_pretrained(draft.to(torch.bfloat16), tmp)
+        return seal(tmp, out_dir / "draft", "CHECKSUMS.json", {})
 
 
 def remove_temporaries(out_dir: Path) -> None:

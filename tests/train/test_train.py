@@ -17,6 +17,8 @@ import pytest
 import torch
 from pictures import colour_pixels
 
+from tasks.common.errors import is_deterministic
+from tasks.common.journal import DiskWriteError
 from tasks.common.plots import TRAIN, VAL, training_curves
 from tasks.common.sealed import damage as damage_of
 from tasks.common.sealed import file_digest, seal
@@ -352,6 +354,22 @@ def test_a_damaged_checkpoint_is_skipped_for_the_one_before_it(data, smollm2, tm
     drafts = [folder / "draft" / "model.safetensors" for folder in (killed, reference)]
     assert drafts[0].read_bytes() == drafts[1].read_bytes()
     assert damage_of(checkpoint_dirs(killed)[1], "COMPLETE") is None  # the next save at step 4 replaced it
+
+
+def test_a_full_disk_while_checkpointing_names_the_checkpoint_and_the_free_space(data, smollm2, tmp_path):
+    """The training folder on a 24 MB tmpfs: the first checkpoint (~115 MB in float32) cannot fit."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        with pytest.raises(DiskWriteError, match=r"writing .*/checkpoints/step-00000002 failed: .*No space left on "
+                                                 r"device.* MB free on that disk\)") as failure:
+            train(data, smollm2, disk / "train", max_steps=2, eval_every=2)
+        assert is_deterministic(failure.value)  # not retried: the same write fails the same way
+        assert not list((disk / "train" / "checkpoints").iterdir())  # the partial one removed, its space freed
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 def test_a_sealed_folder_tells_each_kind_of_damage(tmp_path):
