@@ -10,8 +10,11 @@ one, to `callback`. When a process fails, it raises:
   a stage's retry condition skips retries of what cannot change;
 - `WorkerLost` (transient) for a process that died without reporting one (killed by the OOM killer
   or a signal, a segfault, a CUDA abort).
-With `logs`, each process's output goes to its own file instead of this process's stdout/stderr,
-and the exception's notes hold its last lines.
+Each process's output goes to its own file: the file in `logs` if given, else `<progress
+file>.log`, where only the lines of our own loggers (the workers' `[rank N]` format) are also
+copied to this process's stderr. What libraries print there (vLLM's start-up notes and CPU
+warnings, progress bars) stays in the file, which a failure names, with its last lines in the
+exception's notes.
 
 The worker, `python -m <module>` with its progress file:
 
@@ -31,9 +34,11 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -229,12 +234,12 @@ class ErrorPipe:
         os.close(self.read_fd)
 
 
-def exit_description(code: int, logged: bool = False) -> str:
+def exit_description(code: int) -> str:
     if code < 0:
         name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
         why = " (the kernel's OOM killer sends it when memory runs out)" if -code == signal.SIGKILL else ""
         return f"was killed by {name}{why}"
-    return f"exited with code {code} without reporting an exception" + ("" if logged else " (see its output above)")
+    return f"exited with code {code} without reporting an exception"
 
 
 def output_tail(path: Path, lines: int = 25) -> str:
@@ -277,22 +282,28 @@ def run_processes(commands: list[list[str]], progress_files: list[Path], callbac
                   logs: list[Path] | None = None, pass_fds: tuple[int, ...] = ()) -> None:
     """Run one process per command (with its env, or this one's), each writing progress to its
     file, and wait for all, passing their merged progress to `callback` whenever it changes.
-    A process's output goes to its file in `logs` if given (else to this one's stdout/stderr).
+    A process's output goes to its file in `logs` if given, else to `<progress file>.log` with our
+    own log lines copied to this process's stderr.
     `pass_fds` stay open in the processes (an output folder's lock, tasks/common/folder_lock.py).
     Raises if any failed (module docstring): the first reported exception, else `WorkerLost`."""
     for path in progress_files:  # files left by an earlier attempt would report its progress and errors
         path.unlink(missing_ok=True)
         errors_file(path).unlink(missing_ok=True)
-    outputs = [log.open("w") for log in logs] if logs else [None] * len(commands)
+    echo = not logs  # our own lines to the terminal, the rest to the file only
+    logs = logs or [path.with_name(f"{path.stem}.log") for path in progress_files]
+    outputs = [log.open("wb") for log in logs]
     pipes: list[ErrorPipe] = []
+    copiers: list[threading.Thread] = []
     try:
         procs = []
         for i, cmd in enumerate(commands):
             pipes.append(ErrorPipe())
-            procs.append(subprocess.Popen(cmd, env=pipes[i].env(envs[i] if envs else None), stdout=outputs[i],
-                                          stderr=subprocess.STDOUT if outputs[i] else None,
+            procs.append(subprocess.Popen(cmd, env=pipes[i].env(envs[i] if envs else None),
+                                          stdout=subprocess.PIPE if echo else outputs[i], stderr=subprocess.STDOUT,
                                           pass_fds=(*pass_fds, pipes[i].write_fd)))
             pipes[i].close_write_end()  # the worker holds it now
+            if echo:
+                copiers.append(copy_output(procs[i].stdout, outputs[i]))
 
         def running() -> bool:
             for pipe in pipes:
@@ -305,14 +316,36 @@ def run_processes(commands: list[list[str]], progress_files: list[Path], callbac
         end_process_trees(procs)
         raise
     finally:
-        for f in outputs:
-            if f is not None:
+        for copier in copiers:  # the output's last lines (a traceback) in the file before it is read
+            copier.join(timeout=10)  # a grandchild still holding the pipe must not hold up the stage
+        if not echo:  # else the copying thread closes it at the end of the output
+            for f in outputs:
                 f.close()
         for pipe in pipes:
             pipe.close()
     failed = {i: p.returncode for i, p in enumerate(procs) if p.returncode != 0}
     if failed:
         raise worker_failure(failed, progress_files, label, logs, piped)
+
+
+# A line a worker's logging wrote (rank_worker_main's and training's format): worth the terminal.
+OUR_LINE = re.compile(rb"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [A-Z]+ \[rank \d+\] ")
+
+
+def copy_output(stream, log) -> threading.Thread:
+    """Every line of a worker's output (its children's too: vLLM's engine processes) into its log
+    file, and our own lines also to this process's stderr, in a thread until the output ends."""
+    def copy() -> None:
+        with stream, log:
+            for line in stream:
+                log.write(line)
+                log.flush()
+                if OUR_LINE.match(line):
+                    os.write(2, line)
+
+    thread = threading.Thread(target=copy, name="worker-output", daemon=True)
+    thread.start()
+    return thread
 
 
 def end_process_trees(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
@@ -343,7 +376,7 @@ def end_process_trees(procs: list[subprocess.Popen], grace_s: float = 5.0) -> No
         proc.poll()  # reaped: no zombie left behind
 
 
-def worker_failure(failed: dict[int, int], progress_files: list[Path], label: str, logs: list[Path] | None,
+def worker_failure(failed: dict[int, int], progress_files: list[Path], label: str, logs: list[Path],
                    piped: list[list[dict]] | None = None) -> Exception:
     """The exception for failed processes: the first one a worker reported (in its errors file, or
     through its pipe where that file could not be written), else `WorkerLost`."""
@@ -357,11 +390,9 @@ def worker_failure(failed: dict[int, int], progress_files: list[Path], label: st
                      + record["traceback"].rstrip())
     else:
         others = f" ({len(failed) - 1} more failed)" if len(failed) > 1 else ""
-        where = f" (its output: {logs[i]})" if logs else ""
-        exc = WorkerLost(f"{label} {i} {exit_description(code, logs is not None)}{where}{others}; a retry resumes "
+        exc = WorkerLost(f"{label} {i} {exit_description(code)} (its output: {logs[i]}){others}; a retry resumes "
                          "from what is on disk")
-    if logs:
-        exc.add_note(f"the last lines of its output ({logs[i]}):\n{output_tail(logs[i])}")
+    exc.add_note(f"the last lines of its output ({logs[i]}):\n{output_tail(logs[i])}")
     return exc
 
 

@@ -30,3 +30,41 @@ def test_a_worker_that_cannot_write_its_error_report_still_gets_its_error_to_the
     assert "raised in test worker 0" in "\n".join(raised.value.__notes__)
     report = errors_file(progress)
     assert not report.is_file() or report.stat().st_size == 0  # the report file was not written
+
+
+CHATTY_WORKER = """
+import dataclasses, logging, sys
+from tasks.common.workers import rank_worker_main
+
+@dataclasses.dataclass
+class Job:
+    name: str
+
+def work(job, rank, world_size, callback):
+    print("INFO 12-05 03:40:00 [cpu_worker.py:88] a library's start-up note", flush=True)
+    print("a library's warning on stderr", file=sys.stderr, flush=True)
+    logging.getLogger("tasks.example").info("loaded %s", job.name)
+
+sys.exit(rank_worker_main("example", Job, work, sys.argv[1:]))
+"""
+
+
+def test_a_workers_own_log_lines_reach_the_terminal_and_everything_it_printed_its_log_file(tmp_path, capfd):
+    job, progress = tmp_path / "job.json", tmp_path / "progress-rank0.jsonl"
+    job.write_text('{"name": "the verifier"}')
+    run_processes([[sys.executable, "-c", CHATTY_WORKER, "--job", str(job), "--progress-file", str(progress)]],
+                  [progress], None, poll_s=0.1, label="test worker")
+    out, err = capfd.readouterr()
+    assert "[rank 0] tasks.example: loaded the verifier" in err
+    assert "start-up note" not in out + err and "warning on stderr" not in out + err
+    log = (tmp_path / "progress-rank0.log").read_text()
+    for line in ("a library's start-up note", "a library's warning on stderr", "tasks.example: loaded the verifier"):
+        assert line in log
+
+
+def test_a_failed_workers_error_names_its_log_file_with_its_last_lines(tmp_path):
+    progress = tmp_path / "progress-rank0.jsonl"
+    script = "import os; print('the last words before the crash', flush=True); os._exit(9)"
+    with pytest.raises(Exception, match=r"exited with code 9 .*progress-rank0\.log") as raised:
+        run_processes([[sys.executable, "-c", script]], [progress], None, poll_s=0.1, label="test worker")
+    assert "the last words before the crash" in "\n".join(raised.value.__notes__)
