@@ -154,9 +154,19 @@ def run_flow(pipeline, config, resolved, output: Path, prefect_home: Path, log_f
     stages = stage_runs(state.state_details.flow_run_id)
     if not state.is_completed():
         return report_failure(state, stages, log_file)
+    from prefect.exceptions import MissingResult
+
     summary = {"verifier": resolved.verifier.path, "output_dir": str(output)}
-    for key, value in state.result().items():
-        summary[key] = {"from_cache": stages[STAGE_OF_RESULT[key]].state.name == "Cached", **value.__dict__}
+    try:
+        results = state.result()
+    except MissingResult:  # seen once in ~45 runs, after Prefect's database was locked for a minute: the
+        # run completed, every stage's outputs are on disk, but its final state came back without its data
+        print("eagle3-pipeline: every stage completed, but Prefect returned the run's final state without its "
+              "results; the same command again prints them (every stage a cache hit)", file=sys.stderr)
+        results = {}
+    for key, value in results.items():
+        stage = stages.get(STAGE_OF_RESULT[key])
+        summary[key] = {"from_cache": stage is not None and stage.state.name == "Cached", **value.__dict__}
     print(json.dumps(summary, indent=1, default=str))
     print(f"eagle3-pipeline: done in {time.monotonic() - t0:.0f} s; outputs under {output}")
     return 0

@@ -213,3 +213,27 @@ def test_deterministic_worker_error_fails_at_once_and_reaches_the_cli(prefect_ap
     with get_client(sync_client=True) as client:
         extract = next(r for r in client.read_task_runs() if r.flow_run_id == flow_run.id and r.name.startswith("extract"))
     assert "VerifierError" in extract.state.message and "foo_text" in extract.state.message
+
+
+def test_a_completed_run_whose_state_comes_back_without_its_results_still_ends_done(prefect_api, tmp_path, capsys):
+    """Prefect once handed the CLI a completed flow run's state without its data (after its
+    database was locked for a minute): `state.result()` raised MissingResult and a finished run
+    crashed. The server's own copy of a completed state carries no data either: given that, the
+    CLI says the summary is missing and how to get it, and exits 0."""
+    from prefect import flow, get_client
+
+    from flows.cli import run_flow
+
+    @flow(persist_result=False)
+    def finished(config):
+        return {"trained": None}
+
+    def pipeline(config, return_state):
+        state = finished(config, return_state=True)
+        with get_client(sync_client=True) as client:
+            return client.read_flow_run(state.state_details.flow_run_id).state  # completed, data None
+
+    config = small_config(tmp_path / "out", tmp_path / "unused.jsonl")
+    assert run_flow(pipeline, config, config, tmp_path / "out", tmp_path, tmp_path / "run.log") == 0
+    err = capsys.readouterr().err
+    assert "every stage completed, but Prefect returned the run's final state without its results" in err
