@@ -12,6 +12,7 @@ cluster, through prefect-ray's `RayTaskRunner`. Design and a worked plan: docs/S
     regenerate_on_ray          the same shape for answer regeneration (prepare's first step):
                                one `regenerate-rank` task per rank (chunk c by rank c % N), then
                                one task writes the conversations file in source order
+    synthesize_on_ray          prompt synthesis (before regeneration) as one rank on the cluster
 
 While the ranks run, the flow's process holds the stage folder's lock (tasks/common/folder_lock.py): a
 second run on the folder is refused, as locally.
@@ -49,6 +50,7 @@ from tasks.common.workers import follow, run_processes, worker_command, write_jo
 from tasks.extract.plan import check_disk, make_plan
 from tasks.extract.stage import ExtractJob, ExtractResult, load_inputs, run_extraction
 from tasks.prepare.regenerate import RegenerateJob, write_regenerated
+from tasks.prepare.synthesize import SynthesizeJob, write_synthesized
 
 log = logging.getLogger(__name__)
 
@@ -263,6 +265,19 @@ def regenerate_on_ray(cluster: ClusterSettings, job: RegenerateJob, *,
             ranks = rank_count(cluster, accelerators)
             run_ranks(runner, cluster, "regenerate", "tasks.prepare.regenerate", job, ranks, accelerators, callback)
         return merge_regenerated_task(job, ranks)
+
+
+def synthesize_on_ray(cluster: ClusterSettings, job: SynthesizeJob, *,
+                      callback: ProgressCallback | None = None) -> Path:
+    """Prompt synthesis on the cluster: one `rank_task` (chunks are sampled in order until enough
+    prompts are kept) on regenerate.tensor_parallel_size accelerators, then the prompts file a local
+    run writes."""
+    job = replace(job, out_dir=str(Path(job.out_dir).resolve()))
+    with folder_lock(job.out_dir, "prompt synthesis"):
+        with ray_runner(cluster) as runner:
+            run_ranks(runner, cluster, "synthesize", "tasks.prepare.synthesize", job, 1,
+                      job.generation["tensor_parallel_size"] or 1, callback)
+        return write_synthesized(job)
 
 
 def all_done(futures) -> bool:

@@ -34,6 +34,7 @@ from tasks.extract.stage import ExtractJob, ExtractResult, run_extraction
 from tasks.prepare.dataset import PreparedData, read_report
 from tasks.prepare.regenerate import RegenerateJob, regenerate, regeneration_job
 from tasks.prepare.stage import prepare, prepare_fingerprint
+from tasks.prepare.synthesize import SynthesizeJob, synthesis_job, synthesize
 from tasks.train.acceptance import replayed_per_position
 from tasks.train.job import TrainJob, TrainResult, train_fingerprint
 from tasks.train.stage import run_training
@@ -50,7 +51,8 @@ from tasks.vocab import VocabResult, build_vocab, vocab_damage
 PLUMBING = ("tasks.common.config", "tasks.common.errors", "tasks.common.folder_lock", "tasks.common.progress",
             "tasks.common.vllm_support", "tasks.common.workers", "tasks.common.demo_assets")
 PREPARE_CODE = ("tasks.prepare.stage", "tasks.prepare.dataset", "tasks.prepare.chat_data",
-                "tasks.prepare.chat_template", "tasks.prepare.regenerate", "tasks.prepare.generators",
+                "tasks.prepare.chat_template", "tasks.prepare.regenerate", "tasks.prepare.synthesize",
+                "tasks.prepare.generators",
                 "tasks.prepare.decode_attention", "tasks.common.journal", "tasks.common.verifier")
 EXTRACT_CODE = ("tasks.extract.stage", "tasks.extract.plan", "tasks.extract.writer", "tasks.extract.shards",
                 "tasks.extract.storage_dtype", "tasks.extract.backends.hf", "tasks.extract.backends.vllm",
@@ -71,7 +73,8 @@ VALIDATE_CODE = ("tasks.validate.stage", "tasks.validate.draft_check", "tasks.va
 
 def _prepare_key(ctx, p) -> str:
     c: PipelineConfig = p["config"]
-    regenerate = ({**c.data.regenerate.output_settings(), "verifier": verifier_fingerprint(c.verifier.path)}
+    regenerate = ({**c.data.regenerate.output_settings(), "verifier": verifier_fingerprint(c.verifier.path),
+                   "synthesize": c.data.synthesize.output_settings() if c.data.synthesize.prompts else None}
                   if c.data.regenerate.enabled else None)
     fp = prepare_fingerprint(c.verifier.path, c.data.sources, c.data.max_rows, c.data.max_seq_len, regenerate,
                              c.data.supervise_end_of_turn)
@@ -81,7 +84,9 @@ def _prepare_key(ctx, p) -> str:
 @task(name="prepare", cache_key_fn=_prepare_key, retries=1, retry_delay_seconds=5, **RETRY_TRANSIENT)
 def prepare_task(config: PipelineConfig) -> PreparedData:
     sources, max_rows = config.data.sources, config.data.max_rows
-    regeneration = regeneration_job(config)  # the verifier's own answers, when enabled
+    synthesis = synthesis_job(config)  # prompts the verifier writes, when asked for
+    synthesized = _synthesize(config, synthesis) if synthesis else None
+    regeneration = regeneration_job(config, synthesized)  # the verifier's own answers, when enabled
     if regeneration is not None:
         sources, max_rows = [str(_regenerate(config, regeneration))], None
     result = prepare(config.verifier.path, sources, config.output_dir, max_seq_len=config.data.max_seq_len,
@@ -95,6 +100,15 @@ def prepare_task(config: PipelineConfig) -> PreparedData:
     )
     get_run_logger().info("prepared data: %s", result.path)
     return result
+
+
+def _synthesize(config: PipelineConfig, job: SynthesizeJob) -> Path:
+    progress = ProgressArtifact("prompt synthesis")
+    if config.cluster.executor == "ray":  # one rank on the cluster (flows/ray_stages.py)
+        from flows.ray_stages import synthesize_on_ray
+
+        return synthesize_on_ray(config.cluster, job, callback=progress)
+    return synthesize(job, callback=progress)
 
 
 def _regenerate(config: PipelineConfig, job: RegenerateJob) -> Path:

@@ -40,7 +40,7 @@ from tasks.common.verifier import (
 )
 from tasks.common.vllm_support import eagle3_support
 from tasks.extract.plan import ExtractError, ExtractionPlan, check_disk, check_host_memory, make_plan
-from tasks.preflight import check_live_validation
+from tasks.preflight import PreflightError, check_live_validation
 from tasks.prepare.dataset import PreparedData, load_prepared
 from tasks.prepare.stage import prepare
 
@@ -177,6 +177,12 @@ def size_run(config: PipelineConfig, gpu_tflops: float = H100_BF16_TFLOPS, keep:
     verifier = inspect_verifier(config.verifier.path)
     serving = serving_line(config, verifier)
     parameters, active, source = parameter_count(verifier)
+    if not config.data.sources:
+        raise PreflightError("plan sizes a run from its data, and this one has none before it runs (data.synthesize "
+                             "writes its prompts then): plan it with data.sources naming a sample of similar chats")
+    if config.data.synthesize.prompts:
+        log.info("the %d prompts data.synthesize writes are not counted: the plan covers data.sources",
+                 config.data.synthesize.prompts)
     log.info("planning %s: tokenizing %s", config.name, ", ".join(config.data.sources))
     with tokenizer_for(config) as (tokenizer_path, tokenizer), prepared_into(config, keep) as where:
         prepared = prepare(tokenizer_path, config.data.sources, where, max_seq_len=config.data.max_seq_len,

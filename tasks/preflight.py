@@ -70,7 +70,7 @@ def check_data(config) -> None:
                 has_data = True
             elif path == Path(source):
                 raise PreflightError(f"data.sources: {path} is empty")
-    if not has_data:
+    if not has_data and not config.data.synthesize.prompts:  # with none, the verifier's own prompts are the data
         raise PreflightError(f"data.sources {config.data.sources} hold no data (no non-empty .json or .jsonl file)")
 
 

@@ -58,17 +58,53 @@ class RegenerateSettings(Section):
         return self.model_dump(exclude={"enabled", "backend", "chunk_size", "batch_size", "tensor_parallel_size"})
 
 
+class SynthesizeSettings(Section):
+    """Prompts written by the verifier (the Magpie method, tasks/prepare/synthesize.py): given only
+    the beginning of a user turn under its chat template, an instruction-tuned verifier writes a user
+    prompt like those it was tuned on. They join `data.sources` as prompts without answers, which
+    regeneration answers (it must be on)."""
+
+    prompts: int = Field(0, ge=0, description="How many distinct prompts to write (0: none).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (Magpie samples at 1.0: greedy would "
+                               "write the same prompt every time).")
+    max_prompt_tokens: int = Field(256, gt=0, description="A prompt longer than this is left out (cut short, it "
+                                   "would be a question with its end missing).")
+    min_prompt_chars: int = Field(12, gt=0, description="A shorter prompt is left out.")
+    seed: int = Field(0, ge=0, description="Prompt i is sampled with seed `seed + i` (vLLM; transformers seeds "
+                      "each batch): the same settings write the same prompts.")
+    chunk_size: int = Field(1024, gt=0, description="Prompts sampled per chunk, each appended to disk when done "
+                            "(a crash costs at most one chunk).")
+
+    def output_settings(self) -> dict:
+        return self.model_dump(exclude={"chunk_size"})
+
+
 class DataSettings(Section):
     sources: list[AssetPath] = Field(
-        min_length=1,
-        description="Chat data: ShareGPT or OpenAI-style JSON/JSONL files, folders of them, or `datasets` folders.",
+        default_factory=list,
+        description="Chat data: ShareGPT or OpenAI-style JSON/JSONL files, folders of them, or `datasets` folders. "
+        "With regeneration on, rows may be prompts alone (a user turn without an answer).",
     )
-    max_rows: int | None = Field(None, gt=0, description="Read at most this many rows from each source.")
+    max_rows: int | None = Field(None, gt=0, description="Read at most this many rows from each source (the "
+                                 "synthesized prompts are one more).")
     max_seq_len: int = Field(2048, gt=1, description="Tokenized conversations are truncated to this length.")
     supervise_end_of_turn: bool = Field(
         False, description="Also train on the end-of-turn token closing each answer (vLLM drafts it at the end "
         "of every answer).")
     regenerate: RegenerateSettings = RegenerateSettings()
+    synthesize: SynthesizeSettings = SynthesizeSettings()
+
+    @model_validator(mode="after")
+    def _some_data(self):
+        if not self.sources and not self.synthesize.prompts:
+            raise ValueError("no data: give data.sources, or data.synthesize.prompts for prompts the verifier writes")
+        if self.max_rows is not None and self.synthesize.prompts > self.max_rows:
+            raise ValueError(f"data.max_rows ({self.max_rows}) caps every source, the synthesized prompts too: ask "
+                             f"for at most {self.max_rows} prompts, or raise data.max_rows")
+        if self.synthesize.prompts and not self.regenerate.enabled:
+            raise ValueError("data.synthesize writes prompts without answers: set data.regenerate.enabled: true so "
+                             "the verifier answers them")
+        return self
 
 
 class ExtractSettings(Section):

@@ -73,12 +73,12 @@ def folder_lock(folder: str | Path, what: str) -> Iterator[int]:
 
 
 def held_by_live_process(folder: str | Path) -> bool | None:
-    """Whether a live process holds `folder`'s lock; None where the folder has no lock file (no
-    stage ran there). The probe takes the lock shared and lets go at once: a stage starting in that
+    """Whether a live process holds `folder`'s lock; None where the folder has no lock file that can
+    be read (no stage ran there). The probe takes the lock shared and lets go at once: a stage starting in that
     instant would be refused (a transient error, retried), so poll it seconds apart, not in a loop."""
     try:
         fd = os.open(Path(folder) / LOCK_NAME, os.O_RDONLY)
-    except FileNotFoundError:
+    except OSError:  # no lock file, or no folder there at all (a path through a file): the checks say which
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)

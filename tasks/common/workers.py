@@ -260,6 +260,15 @@ def worker_command(module: str, job_file: Path, rank: int, world_size: int, prog
             str(world_size), "--progress-file", str(progress_file)]
 
 
+def run_one_worker(module: str, job, label: str, callback: ProgressCallback | None, lock_fd: int) -> None:
+    """`job` done by one worker process (`python -m module`, rank 0 of 1) holding the folder's lock
+    `lock_fd`, its progress passed to `callback`."""
+    job_file = write_job_file(job)
+    progress_file = job_file.with_name("rank-0.jsonl")
+    run_processes([worker_command(module, job_file, 0, 1, progress_file)], [progress_file], callback, label=label,
+                  pass_fds=(lock_fd,))
+
+
 def rank_worker_main(module: str, job_type: type, work: Callable, argv: list[str] | None = None) -> int:
     """A stage's worker process, the other end of `worker_command`: `python -m MODULE --job JOB.json
     --rank R --world-size N [--progress-file F]` runs `work(job, rank, world_size, callback)`, its
@@ -328,8 +337,10 @@ def run_processes(commands: list[list[str]], progress_files: list[Path], callbac
         raise worker_failure(failed, progress_files, label, logs, piped)
 
 
-# A line a worker's logging wrote (rank_worker_main's and training's format): worth the terminal.
-OUR_LINE = re.compile(rb"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [A-Z]+ \[rank \d+\] ")
+# A line our own code logged in a worker (rank_worker_main's and training's format, a logger of
+# tasks.* or the worker's __main__): worth the terminal. Libraries that log through the same root
+# handler (vLLM's Triton notes on CPU) are not.
+OUR_LINE = re.compile(rb"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [A-Z]+ \[rank \d+\] (tasks\.|__main__:)")
 
 
 def copy_output(stream, log) -> threading.Thread:

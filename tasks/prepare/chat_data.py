@@ -150,7 +150,7 @@ class Conversation:
     turns_cut: int = 0  # turns left out after an empty one (the exchanges before it are kept)
 
 
-def read_conversation(row: dict) -> Conversation | Dropped:
+def read_conversation(row: dict, prompt_only_ok: bool = False) -> Conversation | Dropped:
     """A row as messages {"role": system|user|assistant|tool, "content": str}, an assistant
     message's `tool_calls` and a tool message's `tool_call_id`/`name` kept (OpenAI's format), an
     assistant message's `unfinished: true` kept (tasks/prepare/regenerate.py), or why it cannot be used.
@@ -159,6 +159,8 @@ def read_conversation(row: dict) -> Conversation | Dropped:
       chats, so many rows start mid-conversation with an answer to a question they no longer hold).
     - An empty turn ends the conversation: the exchanges before it are kept, `turns_cut` says how
       many turns were left out (a conversation whose first exchange is empty is dropped).
+    - A prompt with no answer yet (no assistant turn, ending with a user turn) is dropped, unless
+      `prompt_only_ok`: regeneration writes its answer.
     """
     if not isinstance(row, dict):
         return Dropped("not_a_conversation", f"row is a {type(row).__name__}")
@@ -200,6 +202,8 @@ def read_conversation(row: dict) -> Conversation | Dropped:
         turns_cut += len(messages) - last_answer - 1
         messages = messages[: last_answer + 1]
     if not any(m["role"] == "assistant" for m in messages):
+        if prompt_only_ok and not turns_cut and messages and messages[-1]["role"] == "user":
+            return Conversation(messages, 0)
         return Dropped("empty_content" if turns_cut else "no_assistant_turn")
     return Conversation(messages, turns_cut)
 

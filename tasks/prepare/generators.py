@@ -1,7 +1,9 @@
-"""The generators answer regeneration uses (tasks/prepare/regenerate.py): vLLM where it imports, transformers
-`generate` everywhere else. Each is called with a batch of token-id prompts, and optionally each
-prompt's own limit of new tokens (at most the settings' max_new_tokens), and returns the generated
-token ids of each."""
+"""The generators answer regeneration and prompt synthesis use (tasks/prepare/regenerate.py,
+synthesize.py): vLLM where it imports, transformers `generate` everywhere else. Each is called with
+a batch of token-id prompts, optionally each prompt's own limit of new tokens (at most the
+settings' max_new_tokens) and, when sampling, seeds, and returns the generated token ids of each.
+Seeds make sampled output repeatable: vLLM seeds each prompt, transformers each batch (with its
+first prompt's seed), so the same prompts in the same batches give the same tokens on one machine."""
 
 from __future__ import annotations
 
@@ -64,7 +66,8 @@ class TransformersGenerator:
             bucket *= 2
         return min(bucket, self.max_prompt_len) + self.settings.max_new_tokens
 
-    def __call__(self, prompts: list[list[int]], limits: list[int] | None = None) -> list[list[int]]:
+    def __call__(self, prompts: list[list[int]], limits: list[int] | None = None,
+                 seeds: list[int] | None = None) -> list[list[int]]:
         from transformers import StaticCache
 
         torch = self.torch
@@ -93,6 +96,8 @@ class TransformersGenerator:
             cache = self.caches[shape]
             ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in batch])  # left padding
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            if seeds is not None:
+                torch.manual_seed(seeds[rows_here[0]])
             with torch.inference_mode():  # the cache's tensors are inference tensors: reset them in here
                 cache.reset()
                 out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
@@ -121,21 +126,23 @@ class VllmGenerator:
                        max_model_len=max_model_len, trust_remote_code=trust_remote_code)
         self.settings = settings
 
-    def __call__(self, prompts: list[list[int]], limits: list[int] | None = None) -> list[list[int]]:
+    def __call__(self, prompts: list[list[int]], limits: list[int] | None = None,
+                 seeds: list[int] | None = None) -> list[list[int]]:
         from vllm import SamplingParams, TokensPrompt
 
         s = self.settings
-        sampling = [SamplingParams(temperature=s.temperature, max_tokens=min(n, s.max_new_tokens), seed=0)
-                    for n in limits or [s.max_new_tokens] * len(prompts)]
+        sampling = [SamplingParams(temperature=s.temperature, max_tokens=min(n, s.max_new_tokens), seed=seed)
+                    for n, seed in zip(limits or [s.max_new_tokens] * len(prompts), seeds or [0] * len(prompts),
+                                       strict=True)]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def make_generator(job, tokenizer):
-    """The configured backend for a RegenerateJob ('auto': vLLM where it imports)."""
+def make_generator(verifier_path: str, tokenizer, settings, max_prompt_len: int, trust_remote_code: bool):
+    """The configured backend (`settings`: RegenerateSettings; 'auto': vLLM where it imports) for
+    prompts of at most `max_prompt_len` tokens."""
     from tasks.common.vllm_support import vllm_available
 
-    s = job.regenerate_settings
-    if s.backend == "vllm" or (s.backend == "auto" and vllm_available()):
-        return VllmGenerator(job.verifier_path, s, job.max_seq_len + s.max_new_tokens, job.trust_remote_code)
-    return TransformersGenerator(job.verifier_path, tokenizer, s, job.max_seq_len, job.trust_remote_code)
+    if settings.backend == "vllm" or (settings.backend == "auto" and vllm_available()):
+        return VllmGenerator(verifier_path, settings, max_prompt_len + settings.max_new_tokens, trust_remote_code)
+    return TransformersGenerator(verifier_path, tokenizer, settings, max_prompt_len, trust_remote_code)

@@ -33,13 +33,16 @@ from pathlib import Path
 from tasks.common.folder_lock import folder_lock
 from tasks.common.journal import Journal
 from tasks.common.progress import Heartbeat, Progress, ProgressCallback
-from tasks.common.workers import rank_worker_main, run_processes, worker_command, write_job_file
-from tasks.prepare.chat_data import Dropped, normalize, read_rows
+from tasks.common.workers import rank_worker_main, run_one_worker
+from tasks.prepare.chat_data import Dropped, read_conversation, read_rows
+from tasks.prepare.chat_template import for_template
 
 log = logging.getLogger(__name__)
 
-# v2: part files per process, merged in source order; v3: answers no longer than what max_seq_len keeps
-REGENERATE_FORMAT = "regenerate-v3"
+# v2: part files per process, merged in source order; v3: answers no longer than what max_seq_len keeps;
+# v4: prompts without an answer are answered (they were left out); prompts rendered as prepare renders
+# them (content parts for templates that take only those, tool calls as text where not rendered)
+REGENERATE_FORMAT = "regenerate-v4"
 OVERRUN = 16  # tokens generated past max_seq_len (re-tokenizing decoded text can shorten it by a few)
 
 
@@ -108,7 +111,8 @@ def regenerate_chunk(conversations: list[tuple[str, list[dict]]], generate, toke
             if not rest:
                 del pending[row_id]
                 continue
-            prompt = tokenizer.apply_chat_template(done[row_id], add_generation_prompt=True, tokenize=True)["input_ids"]
+            prompt = tokenizer.apply_chat_template(for_template(tokenizer, done[row_id]), add_generation_prompt=True,
+                                                   tokenize=True)["input_ids"]  # rendered as prepare renders it
             if len(prompt) >= max_seq_len:  # nothing after this point survives prepare's truncation
                 del pending[row_id]
                 if not any(m["role"] == "assistant" for m in done[row_id]):
@@ -148,14 +152,19 @@ def regenerate_chunk(conversations: list[tuple[str, list[dict]]], generate, toke
 
 
 def conversations(job: RegenerateJob) -> tuple[list[tuple[str, list[dict]]], dict[str, int]]:
-    """The conversations to regenerate, in source order, and the input rows left out, by reason."""
+    """The conversations to regenerate, in source order, and the input rows left out, by reason. A
+    prompt without an answer (a user turn alone: prompt-only data, synthesized prompts) gets an
+    empty assistant turn, which regeneration writes."""
     rows, dropped = [], Counter()
     for row in read_rows(job.sources, job.max_rows):
-        messages = row.data if isinstance(row.data, Dropped) else normalize(row.data)
-        if isinstance(messages, Dropped):
-            dropped[f"input_{messages.reason}"] += 1
-        else:
-            rows.append((row.row_id, messages))
+        conversation = row.data if isinstance(row.data, Dropped) else read_conversation(row.data, prompt_only_ok=True)
+        if isinstance(conversation, Dropped):
+            dropped[f"input_{conversation.reason}"] += 1
+            continue
+        messages = conversation.messages
+        if not any(m["role"] == "assistant" for m in messages):
+            messages = [*messages, {"role": "assistant", "content": ""}]
+        rows.append((row.row_id, messages))
     return rows, dict(dropped)
 
 
@@ -194,7 +203,7 @@ def regenerate_rank(job: RegenerateJob, rank: int = 0, world_size: int = 1,
     report = RegenerateReport(conversations=sum(map(len, chunks)))
     if chunks:
         tokenizer = load_tokenizer(job.verifier_path, job.trust_remote_code)
-        generate = make_generator(job, tokenizer)
+        generate = make_generator(job.verifier_path, tokenizer, s, job.max_seq_len, job.trust_remote_code)
         stops = end_of_turn_ids(job.verifier_path, tokenizer)  # what ends an answer the verifier finished
         report.backend = generate.name
         parts = written(out_dir)
@@ -263,10 +272,7 @@ def regenerate(job: RegenerateJob, *, in_process: bool = False, callback: Progre
         if in_process:
             regenerate_rank(job, callback=callback)
         else:
-            job_file = write_job_file(job)
-            progress_file = job_file.with_name("rank-0.jsonl")
-            run_processes([worker_command("tasks.prepare.regenerate", job_file, 0, 1, progress_file)], [progress_file],
-                          callback, label="answer regeneration", pass_fds=(lock_fd,))
+            run_one_worker("tasks.prepare.regenerate", job, "answer regeneration", callback, lock_fd)
         return write_regenerated(job)
 
 
@@ -275,9 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     return rank_worker_main("tasks.prepare.regenerate", RegenerateJob, regenerate_rank, argv)
 
 
-def regeneration_job(config) -> RegenerateJob | None:
-    """The regeneration prepare reads its data from (None unless data.regenerate.enabled), in a
-    folder named by its fingerprint under the outputs."""
+def regeneration_job(config, synthesized: Path | None = None) -> RegenerateJob | None:
+    """The regeneration prepare reads its data from (None unless data.regenerate.enabled): of
+    data.sources and the `synthesized` prompts, in a folder named by its fingerprint under the outputs."""
     from tasks.common.verifier import verifier_fingerprint
     from tasks.prepare.stage import sources_fingerprint
 
@@ -286,9 +292,10 @@ def regeneration_job(config) -> RegenerateJob | None:
         return None
     settings = data.regenerate.model_dump()  # generating takes the GPUs extraction's forward takes, unless told
     settings["tensor_parallel_size"] = settings["tensor_parallel_size"] or config.extract.tensor_parallel_size
-    job = RegenerateJob(data.sources, data.max_rows, config.verifier.path, "", data.max_seq_len, settings,
+    sources = [*data.sources, *([str(synthesized)] if synthesized else [])]
+    job = RegenerateJob(sources, data.max_rows, config.verifier.path, "", data.max_seq_len, settings,
                         config.verifier.trust_remote_code)
-    fp = regenerate_fingerprint(job, sources_fingerprint(data.sources), verifier_fingerprint(config.verifier.path))
+    fp = regenerate_fingerprint(job, sources_fingerprint(sources), verifier_fingerprint(config.verifier.path))
     return replace(job, out_dir=str(Path(config.output_dir) / "regenerated" / fp[:16]))
 
 

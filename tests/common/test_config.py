@@ -51,6 +51,14 @@ def test_missing_section_and_cross_field_checks(tmp_path):
         load_config(write(tmp_path, BASE + "extract: {batch_tokens: 100}"))
     with pytest.raises(ConfigError, match="extract.packing and extract.compile apply to the transformers backend"):
         load_config(write(tmp_path, BASE + "extract: {backend: vllm, packing: true}"))
+    with pytest.raises(ConfigError, match="set data.regenerate.enabled: true so the verifier answers them"):
+        load_config(write(tmp_path, "verifier: {path: /models/x}\ndata: {sources: [a.json], synthesize: {prompts: 9}}"))
+    synthesized_only = load_config(write(tmp_path, "verifier: {path: /models/x}\n"
+                                                   "data: {synthesize: {prompts: 100}, regenerate: {enabled: true}}"))
+    assert synthesized_only.data.sources == [] and synthesized_only.data.synthesize.prompts == 100
+    with pytest.raises(ConfigError, match=r"data.max_rows \(50\) caps every source, the synthesized prompts too"):
+        load_config(write(tmp_path, "verifier: {path: /models/x}\ndata: {max_rows: 50, synthesize: {prompts: 100}, "
+                                    "regenerate: {enabled: true}}"))
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(write(tmp_path, "verifier: [unclosed"))
     with pytest.raises(ConfigError, match="not found"):

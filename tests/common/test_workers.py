@@ -43,6 +43,7 @@ class Job:
 def work(job, rank, world_size, callback):
     print("INFO 12-05 03:40:00 [cpu_worker.py:88] a library's start-up note", flush=True)
     print("a library's warning on stderr", file=sys.stderr, flush=True)
+    logging.getLogger("vllm.triton_utils.importing").warning("a library's note through our log format")
     logging.getLogger("tasks.example").info("loaded %s", job.name)
 
 sys.exit(rank_worker_main("example", Job, work, sys.argv[1:]))
@@ -56,9 +57,11 @@ def test_a_workers_own_log_lines_reach_the_terminal_and_everything_it_printed_it
                   [progress], None, poll_s=0.1, label="test worker")
     out, err = capfd.readouterr()
     assert "[rank 0] tasks.example: loaded the verifier" in err
-    assert "start-up note" not in out + err and "warning on stderr" not in out + err
+    for library in ("start-up note", "warning on stderr", "through our log format"):
+        assert library not in out + err
     log = (tmp_path / "progress-rank0.log").read_text()
-    for line in ("a library's start-up note", "a library's warning on stderr", "tasks.example: loaded the verifier"):
+    for line in ("a library's start-up note", "a library's warning on stderr", "a library's note through our log",
+                 "tasks.example: loaded the verifier"):
         assert line in log
 
 

@@ -57,7 +57,7 @@ def runs(roots: list[str]) -> set[str]:
 
 
 @pytest.mark.parametrize("code, roots", [
-    ("PREPARE_CODE", ["tasks.prepare.stage", "tasks.prepare.regenerate"]),
+    ("PREPARE_CODE", ["tasks.prepare.stage", "tasks.prepare.regenerate", "tasks.prepare.synthesize"]),
     ("EXTRACT_CODE", ["tasks.extract.stage"]),
     ("VOCAB_CODE", ["tasks.vocab"]),
     ("TRAIN_CODE", ["tasks.train.stage"]),

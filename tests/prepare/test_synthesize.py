@@ -1,0 +1,81 @@
+"""Prompts written by the verifier (tasks/prepare/synthesize.py), then answered by regeneration."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pytest
+from verifiers.families import FAMILIES, write_tokenizer
+
+from tasks.common.config import RegenerateSettings, SynthesizeSettings
+from tasks.prepare.chat_template import for_template, render
+from tasks.prepare.regenerate import RegenerateJob, regenerate
+from tasks.prepare.synthesize import SynthesizeJob, pre_query_ids, synthesize, written
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_every_familys_template_gives_the_text_before_a_user_prompt(family, smollm2, tmp_path):
+    """What the verifier continues is its template's rendering of a user turn, cut where the user's
+    text begins (a default system turn included), for every family's template, Llava's content parts too."""
+    from transformers import AutoTokenizer
+
+    write_tokenizer(family, Path(smollm2), tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path, trust_remote_code=family.remote_code_tokenizer)
+    prefix = tokenizer.decode(pre_query_ids(tokenizer))
+    rendered = render(tokenizer, for_template(tokenizer, [{"role": "user", "content": "Plan a trip to Kyoto."}]))
+    assert rendered.startswith(prefix) and rendered[len(prefix):].startswith("Plan a trip to Kyoto.")
+
+
+def test_synthesis_resumes_after_a_kill_reports_what_it_kept_and_regeneration_answers_the_prompts(smollm2, tmp_path):
+    settings = SynthesizeSettings(prompts=5, chunk_size=3, max_prompt_tokens=40)
+    generation = RegenerateSettings(enabled=True, backend="transformers", batch_size=3)
+    job = SynthesizeJob(smollm2, str(tmp_path / "uninterrupted"), settings.model_dump(), generation.model_dump())
+    reference = synthesize(job, in_process=True)
+
+    # the worker killed once its first chunk is written: the rerun keeps that chunk and ends with the same prompts
+    killed = replace(job, out_dir=str(tmp_path / "killed"))
+    job_file = tmp_path / "job.json"
+    job_file.write_text(json.dumps(asdict(killed)))
+    worker = subprocess.Popen([sys.executable, "-m", "tasks.prepare.synthesize", "--job", str(job_file)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while len(written(Path(killed.out_dir)).entries()) < settings.chunk_size and time.monotonic() < deadline:
+        time.sleep(0.05)
+    worker.send_signal(signal.SIGKILL)
+    worker.wait()
+    first_chunk = written(Path(killed.out_dir)).entries()
+    assert settings.chunk_size <= len(first_chunk) < 2 * settings.chunk_size
+    prompts = synthesize(killed, in_process=True)
+    assert prompts.read_bytes() == reference.read_bytes()
+    records = [json.loads(line) for part in (Path(killed.out_dir) / "parts").glob("*.jsonl")
+               for line in part.read_text().splitlines()]
+    assert sorted(r["id"] for r in records if r["id"] in first_chunk) == sorted(first_chunk)  # sampled once
+
+    rows = [json.loads(line) for line in reference.read_text().splitlines()]
+    report = json.loads((Path(job.out_dir) / "report.json").read_text())
+    texts = [row["messages"][0]["content"] for row in rows]
+    assert len(rows) == report["prompts"] == 5 and all(row["messages"][0]["role"] == "user" for row in rows)
+    assert report["sampled"] == 5 + sum(report["left_out"].values())
+    assert set(report["left_out"]) <= {"unfinished", "too_short", "duplicate"} and report["examples"] == texts
+    assert len({" ".join(t.lower().split()) for t in texts}) == 5 and min(map(len, texts)) >= 12
+
+    # done: a rerun samples nothing
+    parts = {p: p.read_bytes() for p in (Path(job.out_dir) / "parts").glob("*.jsonl")}
+    started = time.monotonic()
+    assert synthesize(job, in_process=True).read_bytes() == reference.read_bytes()
+    assert {p: p.read_bytes() for p in (Path(job.out_dir) / "parts").glob("*.jsonl")} == parts
+    assert time.monotonic() - started < 5  # no model loaded
+
+    # the prompts are prompts without answers: regeneration writes the verifier's answer to each
+    answering = RegenerateSettings(enabled=True, backend="transformers", max_new_tokens=12, batch_size=5)
+    answered = regenerate(RegenerateJob([str(reference)], None, smollm2, str(tmp_path / "answers"), 256,
+                                        answering.model_dump()), in_process=True)
+    conversations = [json.loads(line)["messages"] for line in answered.read_text().splitlines()]
+    assert [[m["role"] for m in c] for c in conversations] == [["user", "assistant"]] * 5
+    assert [c[0]["content"] for c in conversations] == texts and all(c[1]["content"] for c in conversations)
