@@ -57,7 +57,7 @@ PREPARE_CODE = ("tasks.prepare.stage", "tasks.prepare.dataset", "tasks.prepare.c
 EXTRACT_CODE = ("tasks.extract.stage", "tasks.extract.plan", "tasks.extract.writer", "tasks.extract.shards",
                 "tasks.extract.storage_dtype", "tasks.extract.backends.hf", "tasks.extract.backends.vllm",
                 "tasks.extract.backends.vllm_connector", "tasks.prepare.dataset", "tasks.common.journal",
-                "tasks.common.verifier")
+                "tasks.common.sealed", "tasks.common.verifier")
 VOCAB_CODE = ("tasks.vocab", "tasks.prepare.dataset", "tasks.common.sealed", "tasks.common.verifier")
 TRAIN_CODE = ("tasks.train.stage", "tasks.train.job", "tasks.train.loop", "tasks.train.data", "tasks.train.model",
               "tasks.train.evaluation", "tasks.train.acceptance", "tasks.train.checkpoints", "tasks.train.step_profile",

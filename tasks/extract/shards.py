@@ -35,6 +35,7 @@ import xxhash
 from safetensors import safe_open
 
 from tasks.common.journal import Journal, write_error
+from tasks.common.sealed import fsync_path
 from tasks.extract.storage_dtype import SCALE_TENSOR, STORAGE_DTYPES, dequantize
 
 SHARD_FORMAT = "eagle3-hidden-states-v1"
@@ -114,7 +115,7 @@ def write_shard(path: Path, spec: ShardSpec, hidden_states: torch.Tensor, input_
         tmp.unlink(missing_ok=True)
         raise write_error(f"writing {path.name} to {path.parent}", path.parent, e) from e
     os.replace(tmp, path)
-    fsync_dir(path.parent)
+    fsync_path(path.parent)
     return journal_line(path, checksum, spec)
 
 
@@ -149,14 +150,6 @@ def write_safetensors(f, tensors: dict[str, torch.Tensor], metadata: dict[str, s
     f.write(encoded)
     for key in stored(tensors):
         f.write(memoryview(tensors[key].contiguous().view(torch.uint8).numpy()))
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_metadata(path: Path) -> dict[str, str]:

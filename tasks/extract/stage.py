@@ -27,6 +27,7 @@ import torch
 
 from tasks.common.folder_lock import folder_lock
 from tasks.common.progress import ProgressCallback, ProgressEvent
+from tasks.common.sealed import fsync_path
 from tasks.common.verifier import VerifierInfo, inspect_verifier
 from tasks.common.workers import rank_worker_main, run_processes, worker_command, write_job_file
 from tasks.extract.plan import (
@@ -42,7 +43,6 @@ from tasks.extract.shards import (
     SHARD_FORMAT,
     STORED_DTYPES,
     ShardError,
-    fsync_dir,
     read_metadata,
     shard_journal,
     unchanged_since_journal,
@@ -135,7 +135,7 @@ def write_manifest(plan: ExtractionPlan, prepared_fp: str, out_dir: Path, length
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_dir(out_dir)
+    fsync_path(out_dir)
     return path
 
 
