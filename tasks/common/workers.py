@@ -313,6 +313,7 @@ def run_processes(commands: list[list[str]], progress_files: list[Path], callbac
             pipes[i].close_write_end()  # the worker holds it now
             if echo:
                 copiers.append(copy_output(procs[i].stdout, outputs[i]))
+            log.info("%s %d started (pid %d); its output: %s", label, i, procs[i].pid, logs[i])
 
         def running() -> bool:
             for pipe in pipes:

