@@ -11,8 +11,8 @@ one, to `callback`. When a process fails, it raises:
 - `WorkerLost` (transient) for a process that died without reporting one (killed by the OOM killer
   or a signal, a segfault, a CUDA abort).
 Each process's output goes to its own file: the file in `logs` if given, else `<progress
-file>.log`, where only the lines of our own loggers (the workers' `[rank N]` format) are also
-copied to this process's stderr. What libraries print there (vLLM's start-up notes and CPU
+file>.log`, where only the lines of our own loggers (the workers' `[rank N]` format, loggers
+tasks.* and the worker's __main__) are also copied to this process's stderr. What libraries print there (vLLM's start-up notes and CPU
 warnings, progress bars) stays in the file, which a failure names, with its last lines in the
 exception's notes.
 
@@ -328,9 +328,8 @@ def run_processes(commands: list[list[str]], progress_files: list[Path], callbac
     finally:
         for copier in copiers:  # the output's last lines (a traceback) in the file before it is read
             copier.join(timeout=10)  # a grandchild still holding the pipe must not hold up the stage
-        if not echo:  # else the copying thread closes it at the end of the output
-            for f in outputs:
-                f.close()
+        for f in outputs[len(copiers):]:  # a copying thread closes its file at the end of the output
+            f.close()
         for pipe in pipes:
             pipe.close()
     failed = {i: p.returncode for i, p in enumerate(procs) if p.returncode != 0}
