@@ -27,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from flows.prefect_env import set_aside_damaged_database, use_private_prefect_home
+from flows.prefect_env import set_aside_damaged_database, start_run_server, use_private_prefect_home
 from flows.run_log import run_log
 from tasks.common.config import ConfigError, load_config
 from tasks.common.demo_assets import resolve_config
@@ -124,6 +124,11 @@ def command(argv: list[str] | None) -> int:
     output.mkdir(parents=True, exist_ok=True)
     prefect_home = use_private_prefect_home(output)
     set_aside_damaged_database(prefect_home)
+    try:
+        start_run_server(prefect_home)
+    except RuntimeError as e:  # a busy machine or a port taken meanwhile: running again may work
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     if args.refresh:
         os.environ["PREFECT_TASKS_REFRESH_CACHE"] = "true"
     from flows.pipeline import eagle3_pipeline  # after PREFECT_HOME is set: Prefect reads it at import

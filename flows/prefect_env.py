@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import logging
 import os
+import signal
+import socket
 import sqlite3
+import subprocess
+import sys
 import time
+import urllib.request
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -51,3 +58,69 @@ def set_aside_damaged_database(home: Path) -> Path | None:
     log.warning("the Prefect database %s is damaged (%s): moved aside to %s; a new one starts empty (the run "
                 "history in the UI restarts; the task cache and the stages' outputs are kept)", database, reason, aside)
     return aside
+
+
+SERVER_START_TIMEOUT_S = 180  # a loaded machine, a first start migrating a new database
+
+
+def start_run_server(home: Path) -> subprocess.Popen | None:
+    """The run's temporary Prefect server, started here instead of by Prefect on first use, so that it
+    runs in a session of its own: a terminal's Ctrl-C or a SIGTERM to the whole process group (systemd's
+    default, KillMode=control-group) stops the run's processes but not the server, which the stopping
+    run still needs to record its end (without it, Prefect's engine retries the gone server for a minute
+    and then fails with a traceback). The server ends with this process however it ends: at exit, and
+    through the kernel's parent-death signal where this process is killed outright (Linux). It runs the
+    command Prefect's own temporary server runs (prefect.server.api.server.SubprocessASGIServer), its
+    output in `home/server.log`.
+
+    None where the user named a server (PREFECT_API_URL) or Prefect is imported already (its settings,
+    read at import, keep the server it has)."""
+    if os.environ.get("PREFECT_API_URL") or "prefect" in sys.modules:
+        return None
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+    home.mkdir(parents=True, exist_ok=True)
+    with (home / "server.log").open("ab") as output:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "--factory", "prefect.server.api.server:create_app", "--host",
+             "127.0.0.1", "--port", str(port), "--log-level", "error", "--lifespan", "on"],
+            env=env, stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=end_with_parent)
+    atexit.register(stop_server, server)
+    api = f"http://127.0.0.1:{port}/api"
+    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the run's Prefect server exited at start (code {server.returncode}): see "
+                               f"{home / 'server.log'}")
+        try:
+            with urllib.request.urlopen(f"{api}/health", timeout=2) as response:
+                if response.status == 200:
+                    os.environ["PREFECT_API_URL"] = api
+                    return server
+        except OSError:
+            pass
+        time.sleep(0.2)
+    stop_server(server)
+    raise RuntimeError(f"the run's Prefect server did not answer in {SERVER_START_TIMEOUT_S} s: see "
+                       f"{home / 'server.log'}")
+
+
+def end_with_parent() -> None:
+    """In the server's process before it starts: SIGTERM when the process that started it dies."""
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the exit handler alone ends it
+        pass
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    if server.poll() is None:
+        server.terminate()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
