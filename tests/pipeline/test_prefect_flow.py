@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -74,6 +75,25 @@ def test_rerun_is_all_cached_and_edited_data_reruns_what_depends_on_it(prefect_a
     assert all(summary[key]["from_cache"] for key in ("prepared", "extracted", "vocab", "trained", "validated"))
     assert summary["extracted"]["manifest"] == first["extracted"].manifest
     assert Path(summary["extracted"]["manifest"]).is_absolute()
+
+    # a copied output folder runs from its own contents, the original out of reach meanwhile: a cache miss
+    # (the keys hold the output folder, so a hit never hands back another folder's paths) whose stages find
+    # their fingerprinted outputs in the copy and redo nothing
+    original, copy = root / "out", root / "copy"
+    shutil.copytree(original, copy)
+    original.rename(root / "out-away")
+    try:
+        copied, states = run(config.model_copy(update={"output_dir": str(copy)}))
+    finally:
+        (root / "out-away").rename(original)
+    assert {name: s for name, (s, _) in states.items()} == {name: "Completed" for name in STAGES}
+    assert not copied["extracted"].verifier_loaded and copied["extracted"].shards_extracted == 0
+    assert copied["trained"].trained_tokens == 0
+    for path in (copied["prepared"].path, copied["extracted"].manifest, copied["vocab"].path,
+                 copied["trained"].draft_path):
+        assert Path(path).is_relative_to(copy), path
+    draft, original_draft = Path(copied["trained"].draft_path), Path(first["trained"].draft_path)
+    assert (draft / "model.safetensors").read_bytes() == (original_draft / "model.safetensors").read_bytes()
 
     with data.open("a") as f:  # one more conversation arrives
         f.write(json.dumps({"conversations": [{"from": "human", "value": "Name three primary colors."},

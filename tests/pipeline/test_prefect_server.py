@@ -6,12 +6,14 @@ import json
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 from flow_support import small_config, write_sample_data
 from pictures import colour_pixels
 from prefect_stack import PrefectStack, chromium
 
+from tasks.common.folder_lock import held_by_live_process
 from tasks.common.plots import TRAIN, VAL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,3 +119,44 @@ def test_prefect_yaml_deployments_and_presets(stack):
         scheduled = stack.post("/flow_runs/count", body)
         time.sleep(1)
     assert scheduled >= 1
+
+
+def test_a_cancel_from_the_ui_ends_every_process_of_the_run_and_marks_it_cancelled(stack, sharegpt, tmp_path):
+    """What the UI's Cancel button does (the flow run set to Cancelling): the process worker sends the
+    flow run's process SIGTERM; the trainer and every other process of the run end with it, the run
+    ends Cancelled and the output folder is free for the next run."""
+    out = tmp_path / "out"
+    config = small_config(out, write_sample_data(sharegpt, tmp_path / "chats.jsonl", 14),
+                          train={"epochs": 200, "eval_every": 5})  # trains long past the cancel
+    param = json.dumps(config.model_dump(mode="json"))
+    started = stack.cli("deployment", "run", "eagle3-draft/eagle3-train", "--param", f"config={param}")
+    flow_run = next(line.split()[-1] for line in started.stdout.splitlines() if "UUID:" in line)
+
+    deadline, trainer = time.monotonic() + 600, None
+    while time.monotonic() < deadline and trainer is None:
+        trainer = next((p for p in psutil.process_iter(["cmdline"])
+                        if "tasks.train.loop" in " ".join(p.info["cmdline"] or []) and str(out) in " ".join(
+                            p.info["cmdline"] or []) and list(out.glob("train/*/checkpoints/step-*"))), None)
+        time.sleep(1)
+    assert trainer is not None, (stack.home / "worker.log").read_text()[-3000:]
+    # the flow run's own process (the worker's child) and everything under it
+    run_process = next(p for p in [trainer, *trainer.parents()] if p.parent() and "worker" in " ".join(
+        p.parent().cmdline()))
+    run_tree = [run_process, *run_process.children(recursive=True)]
+
+    cancelled_at = time.monotonic()
+    stack.post(f"/flow_runs/{flow_run}/set_state", {"state": {"type": "CANCELLING", "name": "Cancelling"},
+                                                     "force": True})
+    assert wait_final(stack, flow_run) == "Cancelled"
+    _, alive = psutil.wait_procs(run_tree, timeout=60)
+    assert not alive, [" ".join(p.cmdline()) for p in alive]
+    # the worker looks for cancels every PREFECT_WORKER_QUERY_SECONDS (1 s here), then sends SIGTERM: the run
+    # unwinds in seconds, well inside the worker's 30 s grace after which it SIGKILLs the run's process alone
+    took = time.monotonic() - cancelled_at
+    assert took < 15, took
+    for stage_folder in (next(out.glob("hidden_states")), next(out.glob("train/*"))):
+        assert held_by_live_process(stage_folder) is False, stage_folder  # free for the next run
+    # the stage the cancel interrupted is recorded by Prefect's task engine as Crashed ("Execution was
+    # aborted by an interrupt signal"), those before it as they ended
+    assert states(stack, flow_run) == {"prepare": "Completed", "extract": "Completed", "vocab": "Completed",
+                                       "train": "Crashed"}
