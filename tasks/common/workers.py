@@ -269,6 +269,11 @@ def run_one_worker(module: str, job, label: str, callback: ProgressCallback | No
                   pass_fds=(lock_fd,))
 
 
+# True in a stage's worker process (rank_worker_main): the process exists for that work alone, so an
+# engine may take it over (tasks/common/vllm_support.keep_engine_in_this_process)
+IN_WORKER_PROCESS = False
+
+
 def rank_worker_main(module: str, job_type: type, work: Callable, argv: list[str] | None = None) -> int:
     """A stage's worker process, the other end of `worker_command`: `python -m MODULE --job JOB.json
     --rank R --world-size N [--progress-file F]` runs `work(job, rank, world_size, callback)`, its
@@ -281,6 +286,8 @@ def rank_worker_main(module: str, job_type: type, work: Callable, argv: list[str
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [rank {a.rank}] %(name)s: %(message)s")
     job = job_type(**json.loads(Path(a.job).read_text()))
+    global IN_WORKER_PROCESS
+    IN_WORKER_PROCESS = True
     with reporting_errors(a.progress_file):
         work(job, a.rank, a.world_size, progress_file_callback(a.progress_file) if a.progress_file else None)
     return 0

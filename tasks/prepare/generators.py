@@ -125,9 +125,12 @@ class VllmGenerator:
         with Heartbeat(f"vLLM: starting the engine for generation ({Path(verifier_path).name})"):
             from vllm import LLM
 
-            from tasks.common.vllm_support import quiet_shutdown_warnings
+            from tasks.common import workers
+            from tasks.common.vllm_support import keep_engine_in_this_process, quiet_shutdown_warnings
 
             quiet_shutdown_warnings()
+            if workers.IN_WORKER_PROCESS:
+                keep_engine_in_this_process(verifier_path)
             self.llm = LLM(model=verifier_path, dtype="bfloat16", seed=0, enforce_eager=on_cpu,
                            tensor_parallel_size=settings.tensor_parallel_size or 1,
                            max_model_len=max_model_len, trust_remote_code=trust_remote_code)

