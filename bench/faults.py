@@ -14,10 +14,20 @@ Kinds (`--kinds`, default all):
   re-run did again (shards rewritten, conversations regenerated, training steps past the
   checkpoint resumed from), temporary files the kill left and whether the re-run read any (hard
   links keep each one's inode after it is removed; its atime, reset after the kill, tells).
+- term-flow, int-flow: the same draws, but a polite stop: SIGTERM to the CLI's process alone (`kill PID`,
+  systemd's KillMode=process, a container runtime) or SIGINT to its whole group (a terminal's Ctrl-C).
+  Each trial also requires the CLI's exit code 128 + the signal and every process of the run gone
+  within 10 s; then the re-run must end identical, as after a kill.
 - damage: a complete extraction folder with one fault each (flipped byte, truncated, deleted,
   appended garbage, a shard of other layers or other data under its name, a flipped byte with size
   and mtime kept, damaged or deleted manifest and journal). Training is given the damaged folder
   first and must refuse it naming the file; extraction must then redo only what is needed.
+- checkpoint: training killed once two checkpoints exist, then a file of the newest damaged (training
+  state or weights cut short, a byte flipped in either): the re-run must skip it with a warning naming
+  it, resume from the one before and end identical.
+- parts: a complete regeneration's part file damaged (an answer's text edited, still valid JSON; a
+  record cut short; a line of garbage): the re-run must answer those conversations again and write
+  the uninterrupted run's bytes.
 - disk: a tmpfs too small for the plan (refused before the verifier loads), and one where the plan
   fits but another writer fills it during the run (a clear error; after space is freed the re-run
   completes, identical). Needs permission to mount (root); skipped with a note otherwise.
@@ -41,22 +51,34 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.fault_injection.kinds import Trial, concurrent_trials, damage_trials, disk_trials, kill_trials  # noqa: E402
+from bench.fault_injection.kinds import (  # noqa: E402
+    Trial,
+    checkpoint_trials,
+    concurrent_trials,
+    damage_trials,
+    disk_trials,
+    kill_trials,
+    part_trials,
+)
 from bench.fault_injection.report import from_logs, markdown, summarize, write_figures  # noqa: E402
 from bench.fault_injection.stages import Inputs, log, stage_main  # noqa: E402
 
-KINDS = ("kill-regenerate", "kill-extract-1", "kill-extract-2", "kill-train", "kill-flow", "damage", "disk",
-         "concurrent")
+KINDS = ("kill-regenerate", "kill-extract-1", "kill-extract-2", "kill-train", "kill-flow", "term-flow", "int-flow",
+         "damage", "checkpoint", "parts", "disk", "concurrent")
 
 
 def run_suite(inputs: Inputs, kinds: list[str], trials: int, seed: int, trials_for: dict[str, int]) -> list[Trial]:
     rng = random.Random(seed)
     results: list[Trial] = []
     for kind in kinds:
-        if kind.startswith("kill-"):
+        if kind.startswith(("kill-", "term-", "int-")):
             results += kill_trials(inputs, kind, trials_for.get(kind, trials), rng)
         elif kind == "damage":
             results += damage_trials(inputs)
+        elif kind == "checkpoint":
+            results += checkpoint_trials(inputs)
+        elif kind == "parts":
+            results += part_trials(inputs)
         elif kind == "disk":
             results += disk_trials(inputs)
         elif kind == "concurrent":
@@ -93,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"took {time.monotonic() - t0:.0f} s")
     text = markdown(rows, trials, [command_line(a)], time.monotonic() - t0)
     print(text)
-    if a.write:
-        write_figures(Path(a.write), text)
+    if a.write:  # a run of some kinds keeps the full run's figures: it writes a block of its own
+        write_figures(Path(a.write), text, "faults" if a.kinds == ",".join(KINDS) else f"faults {a.kinds}")
     if not a.work:
         shutil.rmtree(work, ignore_errors=True)
     return 0 if all(t.ok and t.identical for t in trials if t.kind != "disk" or "not run" not in t.note) else 1

@@ -1,5 +1,6 @@
-"""The trial kinds (bench/faults.py's docstring says what each promises): a stage killed at a random
-time, then run again; a complete extraction folder damaged; a full disk; two runs on one folder."""
+"""The trial kinds (bench/faults.py's docstring says what each promises): a stage killed or stopped at a
+random time, then run again; a complete extraction folder damaged; a checkpoint or a regeneration part
+file damaged; a full disk; two runs on one folder."""
 
 from __future__ import annotations
 
@@ -15,8 +16,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.fault_injection.outputs import Temporaries, compare, redone, same_extraction, snapshot, train_folder
-from bench.fault_injection.stages import ENV, ROOT, Inputs, log, run_stage
+from bench.fault_injection.outputs import (
+    Temporaries,
+    compare,
+    recorded_conversations,
+    redone,
+    same_extraction,
+    same_training,
+    snapshot,
+    train_folder,
+)
+from bench.fault_injection.stages import ENV, POLITE_STOP_S, ROOT, Inputs, log, run_stage
 
 
 @dataclass
@@ -34,12 +44,19 @@ class Trial:
 # ---------------------------------------------------------------- kills
 
 
+STOPS = {"kill": ("kill", signal.SIGKILL), "term": ("SIGTERM to the CLI alone", signal.SIGTERM),
+         "int": ("SIGINT to the group", signal.SIGINT)}
+
+
 def kill_trials(inputs: Inputs, kind: str, kills: int, rng: random.Random) -> list[Trial]:
     """Trials until `kills` kills landed while the stage ran (a drawn time past the run's end, on a
     machine busier for the reference than for the trial, is recorded too; at most 2 * kills trials).
     Times are drawn up to the shortest uninterrupted run seen: the reference's, or a trial's that
-    ended before its kill (on a shared machine the reference may have run slower than the trials)."""
-    stage = kind.removeprefix("kill-")
+    ended before its kill (on a shared machine the reference may have run slower than the trials).
+    `term-flow` and `int-flow` stop the CLI politely instead (run_stage's `how`): the trial also
+    requires exit 128 + the signal and every process of the run gone within POLITE_STOP_S."""
+    how, stage = kind.split("-", 1)
+    what, signum = STOPS[how]
     ref_out, wall = inputs.reference(stage)
     out_of = {"flow": train_folder}.get(stage.split("-")[0], lambda out: out)
     results: list[Trial] = []
@@ -53,18 +70,28 @@ def kill_trials(inputs: Inputs, kind: str, kills: int, rng: random.Random) -> li
         logfile = out.with_suffix(".log")
         logfile.unlink(missing_ok=True)
         t0 = time.monotonic()
-        killed = run_stage(inputs.command(stage, out), logfile, kill_at).returncode == -signal.SIGKILL
+        stopped = run_stage(inputs.command(stage, out), logfile, kill_at, how)
+        killed = stopped.stopped
         if not killed:
             wall = min(wall, time.monotonic() - t0)
         before = snapshot(stage, out)
         temporaries = Temporaries(out, inputs.work / f"watch-{kind}-{i}")
         rerun = run_stage(inputs.command(stage, out), logfile)
-        trial = Trial(kind, f"kill at {kill_at:.1f} s" + ("" if killed else " (after the run ended)"), False,
+        trial = Trial(kind, f"{what} at {kill_at:.1f} s" + ("" if killed else " (after the run ended)"), False,
                       temporaries_left=temporaries.left, temporaries_read=temporaries.read())
+        polite = how != "kill" and killed
+        if polite and (stopped.returncode != 128 + signum or stopped.stop_s is None):
+            trial.ok = False
+            trial.note = (f"exit {stopped.returncode} (expected {128 + signum}); "
+                          + (f"processes left after {POLITE_STOP_S:.0f} s" if stopped.stop_s is None else
+                             f"every process gone in {stopped.stop_s:.1f} s") + f", see {logfile}; ")
+        elif polite:
+            trial.note = f"every process gone in {stopped.stop_s:.1f} s; "
         if rerun.returncode != 0:
-            trial.ok, trial.note = False, f"re-run failed (exit {rerun.returncode}), see {logfile}"
+            trial.ok, trial.note = False, trial.note + f"re-run failed (exit {rerun.returncode}), see {logfile}"
         else:
-            trial.identical, trial.note = compare(stage, out, ref_out, out_of)
+            trial.identical, compared = compare(stage, out, ref_out, out_of)
+            trial.note += compared
             trial.redone = redone(stage, before, out)
         results.append(trial)
         landed += killed
@@ -171,6 +198,105 @@ def damage_trials(inputs: Inputs, only: list[str] | None = None) -> list[Trial]:
 def stage_result(logfile: Path) -> dict | None:
     lines = [line for line in logfile.read_text().splitlines() if line.startswith("RESULT ")]
     return json.loads(lines[-1].removeprefix("RESULT ")) if lines else None
+
+
+# ---------------------------------------------------------------- checkpoints and part files
+
+
+def kill_once(inputs: Inputs, kind: str, out: Path, ready: Callable[[Path], bool]) -> None:
+    """Run `kind` into `out` and SIGKILL its whole group once `ready(out)` holds."""
+    shutil.rmtree(out, ignore_errors=True)
+    with out.with_suffix(".log").open("a") as f:
+        proc = subprocess.Popen(inputs.command(kind, out), stdout=f, stderr=subprocess.STDOUT, env=ENV, cwd=ROOT,
+                                start_new_session=True)
+    while proc.poll() is None and not ready(out):
+        time.sleep(0.05)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def truncate(path: Path) -> None:
+    os.truncate(path, path.stat().st_size // 2)
+
+
+def flip_middle_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+CHECKPOINT_DAMAGE: dict[str, tuple[str, Callable[[Path], None]]] = {  # name -> (file of the latest, damage)
+    "training_state.pt truncated": ("training_state.pt", truncate),
+    "model.safetensors truncated": ("model.safetensors", truncate),
+    "byte flipped in model.safetensors": ("model.safetensors", flip_middle_byte),
+    "byte flipped in training_state.pt": ("training_state.pt", flip_middle_byte),
+}
+
+
+def checkpoint_trials(inputs: Inputs) -> list[Trial]:
+    """Training killed once two checkpoints exist; then a file of the newest is damaged. The re-run
+    must skip it with a warning naming the file, resume from the one before, and end identical."""
+    from tasks.train.checkpoints import checkpoint_dirs
+
+    ref_out, _ = inputs.reference("train")
+    results = []
+    for case, (name, damage) in CHECKPOINT_DAMAGE.items():
+        out = inputs.work / "checkpoint-damage"
+        kill_once(inputs, "train", out, lambda o: len(checkpoint_dirs(o)) >= 2)
+        checkpoints = checkpoint_dirs(out)
+        if len(checkpoints) < 2:
+            results.append(Trial("checkpoint", case, False, ok=False, note="the run ended before two checkpoints"))
+            continue
+        damaged = checkpoints[-1] / name
+        damage(damaged)
+        logfile = out.with_suffix(".log")
+        rerun = run_stage(inputs.command("train", out), logfile)
+        text = logfile.read_text()
+        named = f"checkpoint {checkpoints[-1]} is damaged" in text and name in text
+        identical, note = same_training(out, ref_out) if rerun.returncode == 0 else (False, f"exit {rerun.returncode}")
+        line = next((x for x in text.splitlines() if "is damaged" in x), "")
+        results.append(Trial("checkpoint", case, identical, ok=named and rerun.returncode == 0,
+                             note=(note or line[line.find("checkpoint "):][:200])))
+        log(f"checkpoint: {results[-1]}")
+        shutil.rmtree(out, ignore_errors=True)
+        logfile.unlink(missing_ok=True)
+    return results
+
+
+PART_DAMAGE: dict[str, Callable[[Path], None]] = {  # a regeneration part file's records
+    "an answer's text edited (still valid JSON)": lambda p: p.write_bytes(
+        p.read_bytes().replace(b'"content": "', b'"content": "Edited. ', 1)),
+    "a record cut short": truncate,
+    "a line of garbage in the middle": lambda p: p.write_bytes(
+        p.read_bytes().replace(b"\n", b"\n\x00garbage{\n", 1)),
+}
+
+
+def part_trials(inputs: Inputs) -> list[Trial]:
+    """A complete regeneration whose part file is then damaged: the re-run must regenerate exactly
+    the conversations whose records no longer check, and write the reference's bytes."""
+    ref_out, _ = inputs.reference("regenerate")
+    results = []
+    for case, damage in PART_DAMAGE.items():
+        out = inputs.work / "part-damage"
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.copytree(ref_out, out)
+        part = sorted((out / "parts").glob("*.jsonl"))[0]
+        recorded = len(recorded_conversations(out))
+        damage(part)
+        logfile = out.with_suffix(".log")
+        rerun = run_stage(inputs.command("regenerate", out), logfile)
+        identical, _ = compare("regenerate", out, ref_out, lambda o: o) if rerun.returncode == 0 else (False, "")
+        answered = re.findall(r"regenerate: (\d+) conversations in \d+ chunks to answer", logfile.read_text())
+        results.append(Trial("parts", case, identical, redone=int(answered[-1]) if answered else 0,
+                             ok=rerun.returncode == 0 and identical and bool(answered),
+                             note=f"{recorded} conversations were recorded; the re-run answered the ones counted "
+                                  "in 'redone'"))
+        log(f"parts: {results[-1]}")
+        shutil.rmtree(out, ignore_errors=True)
+        logfile.unlink(missing_ok=True)
+    return results
 
 
 # ---------------------------------------------------------------- disk

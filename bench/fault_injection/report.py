@@ -54,9 +54,12 @@ def from_logs(logs: list[Path]) -> tuple[list[Trial], list[str], float]:
     return trials, commands, wall
 
 
-def write_figures(path: Path, figures: str) -> None:
-    """Replace the figures between the markers in docs/RELIABILITY.md, keeping the prose around them."""
-    start, end = "<!-- faults:begin -->", "<!-- faults:end -->"
-    text = path.read_text() if path.is_file() else f"# Reliability\n\n{start}\n{end}\n"
+def write_figures(path: Path, figures: str, block: str = "faults") -> None:
+    """Replace the figures between the block's markers in docs/RELIABILITY.md, keeping the prose around
+    them; a block not there yet is added at the end."""
+    start, end = f"<!-- {block}:begin -->", f"<!-- {block}:end -->"
+    text = path.read_text() if path.is_file() else "# Reliability\n"
+    if start not in text:
+        text = text.rstrip("\n") + f"\n\n{start}\n{end}\n"
     before, rest = text.split(start, 1)
     path.write_text(before + start + "\n" + figures + end + rest.split(end, 1)[1])

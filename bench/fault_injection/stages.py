@@ -3,6 +3,7 @@ and each stage run as a process (`bench/faults.py stage JOB`) that a trial can k
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -12,6 +13,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import psutil
 
 ROOT = Path(__file__).resolve().parents[2]
 ENTRY_POINT = ROOT / "bench" / "faults.py"
@@ -109,18 +112,47 @@ ENV.pop("PREFECT_HOME", None)  # each flow run keeps its Prefect database under 
 ENV.pop("PREFECT_API_URL", None)
 
 
-def run_stage(cmd: list[str], log_file: Path, kill_at: float | None = None) -> subprocess.Popen:
-    """Run a stage in its own process group; with `kill_at`, SIGKILL the whole group then (unless it
-    ended before). `returncode` is -9 when it was killed."""
+def run_stage(cmd: list[str], log_file: Path, stop_at: float | None = None, how: str = "kill") -> subprocess.Popen:
+    """Run a stage in its own process group; with `stop_at`, stop it then (unless it ended before):
+    "kill" SIGKILLs the whole group, "term" sends SIGTERM to the leader alone (`kill PID`, systemd's
+    KillMode=process), "int" SIGINT to the whole group (a terminal's Ctrl-C). After a polite signal,
+    `proc.stop_s` is how long the group took to be gone (None: not within POLITE_STOP_S, then killed).
+    `proc.stopped` says whether the stop came while it ran."""
     with log_file.open("a") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=ENV, cwd=ROOT, start_new_session=True)
+        proc.stop_s, proc.stopped = None, False
         try:
-            proc.wait(timeout=kill_at)
+            proc.wait(timeout=stop_at)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            proc.stopped = True
+            if how == "kill":
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                children = psutil.Process(proc.pid).children(recursive=True)  # the leader is Popen's to reap
+                t0 = time.monotonic()
+                if how == "term":
+                    proc.send_signal(signal.SIGTERM)
+                else:
+                    os.killpg(proc.pid, signal.SIGINT)
+                try:
+                    proc.wait(timeout=POLITE_STOP_S)
+                except subprocess.TimeoutExpired:
+                    pass
+                _, alive = psutil.wait_procs(children, timeout=max(0.0, t0 + POLITE_STOP_S - time.monotonic()))
+                if proc.poll() is None or alive:  # not stopped in time: SIGKILL what is left
+                    for process in alive:
+                        with contextlib.suppress(psutil.Error):
+                            process.kill()
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                else:
+                    proc.stop_s = time.monotonic() - t0
             proc.wait()
             wait_group_gone(proc.pid)
     return proc
+
+
+POLITE_STOP_S = 10.0  # what the pipeline promises for SIGTERM or SIGINT (README)
 
 
 def wait_group_gone(pgid: int, timeout: float = 30.0) -> None:
