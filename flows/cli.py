@@ -62,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `eagle3-pipeline config X | head`: the reader has gone, nothing to report
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor at exit, when stdout is flushed
         return 0
+    except Stopped as stop:  # while starting (checks, Prefect's server, imports): no stage had begun
+        print(f"eagle3-pipeline: stopped by {stop} before the run began", file=sys.stderr)
+        return 128 + stop.signum
 
 
 def command(argv: list[str] | None) -> int:
@@ -91,6 +94,8 @@ def command(argv: list[str] | None) -> int:
     prune.add_argument("folder", help="an output's hidden_states/ folder")
     prune.add_argument("--keep", metavar="MANIFEST", help="keep only this manifest's shards (and manifest)")
     args = parser.parse_args(argv)
+    if args.command == "run":
+        stop_on_signals()  # from here on, a signal is a polite stop (checks, imports and Prefect's start included)
     if args.command == "prune-shards":
         from tasks.extract.shards import prune as prune_shards
 
@@ -141,7 +146,6 @@ def run_flow(pipeline, config, resolved, output: Path, prefect_home: Path, log_f
     """The flow in this process, one run per output folder at a time; a summary, or one `error:` line."""
     print(f"eagle3-pipeline: running '{config.name}' -> {output} (Prefect home: {prefect_home}; log: {log_file})")
     t0 = time.monotonic()
-    stop_on_signals()
     try:
         with folder_lock(output, "eagle3-pipeline"):  # one run per output folder (and its Prefect database)
             state = pipeline(config, return_state=True)
