@@ -71,7 +71,8 @@ def kill_trials(inputs: Inputs, kind: str, kills: int, rng: random.Random) -> li
         logfile.unlink(missing_ok=True)
         t0 = time.monotonic()
         stopped = run_stage(inputs.command(stage, out), logfile, kill_at, how)
-        killed = stopped.stopped
+        # a polite stop that came after the CLI said it was done (while it exited) stopped no work
+        killed = stopped.stopped and not (how != "kill" and "eagle3-pipeline: done in" in logfile.read_text())
         if not killed:
             wall = min(wall, time.monotonic() - t0)
         before = snapshot(stage, out)
@@ -253,7 +254,7 @@ def checkpoint_trials(inputs: Inputs) -> list[Trial]:
         logfile = out.with_suffix(".log")
         rerun = run_stage(inputs.command("train", out), logfile)
         text = logfile.read_text()
-        named = f"checkpoint {checkpoints[-1]} is damaged" in text and name in text
+        named = f"checkpoint {checkpoints[-1].name} is damaged: {damaged}" in text
         identical, note = same_training(out, ref_out) if rerun.returncode == 0 else (False, f"exit {rerun.returncode}")
         line = next((x for x in text.splitlines() if "is damaged" in x), "")
         results.append(Trial("checkpoint", case, identical, ok=named and rerun.returncode == 0,
