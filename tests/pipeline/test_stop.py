@@ -45,6 +45,19 @@ def start_cli(config, tmp_path: Path) -> tuple[subprocess.Popen, list[str], Path
     return cli, command, log
 
 
+def stop_and_wait(cli: subprocess.Popen, signum: int, group: bool) -> None:
+    """`signum` to the CLI alone or to its whole process group: the CLI exits 128 + the signal, and
+    every process of its run (the trainer or workers, Prefect's server, ...) ends."""
+    run_tree = psutil.Process(cli.pid).children(recursive=True)
+    if group:
+        os.killpg(cli.pid, signum)
+    else:
+        cli.send_signal(signum)
+    assert cli.wait(timeout=60) == 128 + signum
+    _, alive = psutil.wait_procs(run_tree, timeout=30)
+    assert not alive, [command_line(p) for p in alive]
+
+
 def assert_stopped_politely(log: Path, signame: str, out: Path) -> None:
     text = log.read_text()
     assert f"stopped by {signame}: every process of the run ended" in text and "run the same command to resume" in text
@@ -71,12 +84,7 @@ def test_sigterm_to_the_cli_alone_ends_every_process_and_the_next_run_survives_a
                 break
             time.sleep(1)
         assert trainer is not None and cli.poll() is None, log.read_text()[-3000:]
-        run_tree = psutil.Process(cli.pid).children(recursive=True)  # the trainer, Prefect's server, ...
-
-        cli.send_signal(signal.SIGTERM)  # to the CLI's process alone, not its group
-        assert cli.wait(timeout=60) == 128 + signal.SIGTERM
-        _, alive = psutil.wait_procs(run_tree, timeout=30)
-        assert not alive, [command_line(p) for p in alive]
+        stop_and_wait(cli, signal.SIGTERM, group=False)  # to the CLI's process alone, not its group
     finally:
         if cli.poll() is None or psutil.pid_exists(cli.pid):
             os.killpg(cli.pid, signal.SIGKILL)
@@ -115,12 +123,7 @@ def test_ctrl_c_to_the_whole_process_group_during_extraction_ends_every_process(
         progress = Path(arguments[arguments.index("--progress-file") + 1])
         while cli.poll() is None and not (progress.is_file() and progress.stat().st_size):
             time.sleep(0.2)  # the worker is under way: its first progress report written
-        run_tree = psutil.Process(cli.pid).children(recursive=True)
-
-        os.killpg(cli.pid, signal.SIGINT)
-        assert cli.wait(timeout=60) == 128 + signal.SIGINT
-        _, alive = psutil.wait_procs(run_tree, timeout=30)
-        assert not alive, [command_line(p) for p in alive]
+        stop_and_wait(cli, signal.SIGINT, group=True)
     finally:
         if cli.poll() is None or psutil.pid_exists(cli.pid):
             os.killpg(cli.pid, signal.SIGKILL)
