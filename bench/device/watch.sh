@@ -16,11 +16,15 @@ nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader; df -h 
   ls /tmp/bench_*.log /tmp/job.log
   ls /tmp/repo/docs/benchmarks.json /tmp/repo/docs/benchmarks-history.jsonl; } > /tmp/results.list 2>/dev/null  # --record's figures
 tar -czf "$OUT/results.tgz" -T /tmp/results.list 2>/dev/null; ls -la "$OUT/results.tgz"
-# bench/recipe.py --return's drafts (OUT/drafts/NAME/), once the job has ended, as one tarball in parts:
-# here, `cat drafts.tar.part* | tar -x`, then bench/validate_returned_draft.py drafts/NAME per draft.
-if [ -d /tmp/recipe-out/drafts ] && [ -f /tmp/job.done ] && [ ! -f /tmp/returned-drafts ]; then
-  tar -C /tmp/recipe-out -cf /tmp/drafts.tar drafts && split -b 15M -d /tmp/drafts.tar "$OUT/drafts.tar.part" &&
-    touch /tmp/returned-drafts && echo "returned $(ls /tmp/recipe-out/drafts | wc -l) drafts"
+# bench/recipe.py --return's drafts (OUT/drafts/NAME/ under /tmp/recipe-out), each once, as soon as it is
+# complete (acceptance.json is written last), in one tarball of parts per call: here,
+# `cat drafts-T.tar.part* | tar -x`, then bench/validate_returned_draft.py PATH/drafts/NAME per draft.
+ready=$(find /tmp/recipe-out -path '*/drafts/*/acceptance.json' 2>/dev/null | while read -r f; do
+  d=$(dirname "$f"); [ -f "/tmp/returned-$(echo "${d#/tmp/recipe-out/}" | tr / -)" ] || echo "${d#/tmp/recipe-out/}"; done)
+if [ -n "$ready" ]; then
+  stamp=$(date +%s)
+  tar -C /tmp/recipe-out -cf /tmp/drafts.tar $ready && split -b 15M -d /tmp/drafts.tar "$OUT/drafts-$stamp.tar.part" &&
+    for d in $ready; do touch "/tmp/returned-$(echo "$d" | tr / -)"; done && echo "returned drafts: $ready"
 fi
 # A finished regeneration comes back once (its journal and reports, in parts): the slowest stage
 # need not run again if the machine is lost before the rest ends (setup.sh restores it).
