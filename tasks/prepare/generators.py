@@ -8,7 +8,6 @@ first prompt's seed), so the same prompts in the same batches give the same toke
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 from tasks.common.progress import Heartbeat
@@ -119,21 +118,27 @@ class VllmGenerator:
         import torch
 
         on_cpu = not torch.cuda.is_available()
-        if on_cpu:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         # vLLM's own start-up lines go to the worker's log file (tasks/common/workers.py): say it is starting
         with Heartbeat(f"vLLM: starting the engine for generation ({Path(verifier_path).name})"):
             from vllm import LLM
 
             from tasks.common import workers
-            from tasks.common.vllm_support import keep_engine_in_this_process, quiet_shutdown_warnings
+            from tasks.common.vllm_support import (
+                CPU_MAX_NUM_SEQS,
+                cpu_kv_cache_bytes,
+                keep_engine_in_this_process,
+                quiet_shutdown_warnings,
+            )
 
             quiet_shutdown_warnings()
             if workers.IN_WORKER_PROCESS:
                 keep_engine_in_this_process(verifier_path)
+            # on a CPU, room for as many sequences as vLLM runs at once (see cpu_kv_cache_bytes)
+            memory = ({"kv_cache_memory_bytes": cpu_kv_cache_bytes(verifier_path, CPU_MAX_NUM_SEQS * max_model_len)}
+                      if on_cpu else {})
             self.llm = LLM(model=verifier_path, dtype="bfloat16", seed=0, enforce_eager=on_cpu,
                            tensor_parallel_size=settings.tensor_parallel_size or 1,
-                           max_model_len=max_model_len, trust_remote_code=trust_remote_code)
+                           max_model_len=max_model_len, trust_remote_code=trust_remote_code, **memory)
         self.settings = settings
 
     def __call__(self, prompts: list[list[int]], limits: list[int] | None = None,

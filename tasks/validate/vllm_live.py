@@ -91,16 +91,19 @@ def serve_once(verifier: str, draft: str | None, prompts: list[list[int]], k: in
         from vllm import LLM, SamplingParams, TokensPrompt
 
         from tasks.common.verifier import inspect_verifier
-        from tasks.common.vllm_support import check_architecture, keep_engine_in_this_process
+        from tasks.common.vllm_support import check_architecture, cpu_kv_cache_bytes, keep_engine_in_this_process
 
         check_architecture(inspect_verifier(verifier), "set validation.live: skip")  # names what vLLM lacks
         on_cpu = not torch.cuda.is_available()
         keep_engine_in_this_process(verifier)
+        max_model_len = max(len(p) for p in prompts) + max_new_tokens + k + 1
+        # on a CPU, the space every prompt's sequence needs at once (VLLM_CPU_KVCACHE_SPACE, if set, wins)
+        memory = {"kv_cache_memory_bytes": cpu_kv_cache_bytes(verifier, len(prompts) * max_model_len)} if on_cpu else {}
         llm = LLM(
             model=verifier, dtype=serving_dtype(verifier, on_cpu), seed=0, enforce_eager=on_cpu,
             disable_log_stats=False,
             trust_remote_code=trust_remote_code,
-            max_model_len=max(len(p) for p in prompts) + max_new_tokens + k + 1,
+            max_model_len=max_model_len, **memory,
             speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": k} if draft else None,
         )
     init_s = time.monotonic() - t0
@@ -157,10 +160,10 @@ def engine_root_cause(log_file: Path) -> EngineStartError | None:
 
 def run_engine(verifier: str, draft: str | None, prompts_file: Path, k: int, max_new_tokens: int, out: Path,
                trust_remote_code: bool = False) -> dict:
-    # On CPU, vLLM sizes its KV cache from this (GiB) rather than from gpu_memory_utilization. Preloading
-    # Intel OpenMP, which vLLM suggests for speculative decoding on CPU, gained little here and leaves
-    # /dev/shm files behind after each engine exit. (Where the engine core runs: keep_engine_in_this_process.)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    # Preloading Intel OpenMP, which vLLM suggests for speculative decoding on CPU, gained little here and
+    # leaves /dev/shm files behind after each engine exit. (Where the engine core runs:
+    # keep_engine_in_this_process; its KV cache on a CPU: cpu_kv_cache_bytes.)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     progress, output = out.with_suffix(".progress.jsonl"), out.with_suffix(".log")
     cmd = [sys.executable, "-m", "tasks.validate.vllm_live", "--verifier", verifier, "--prompts", str(prompts_file),
            "--k", str(k), "--max-new-tokens", str(max_new_tokens), "--out", str(out), "--progress-file", str(progress)]

@@ -4,6 +4,7 @@ install is part of `make test`, so nothing here is skipped."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,13 @@ def test_live_validation_measures_acceptance_and_keeps_outputs_lossless(trained_
     markdown = Path(result.report_markdown).read_text()
     assert f"{result.speedup:.3f}" in markdown and "on a CPU" in markdown
     assert f"{result.mean_acceptance_length:.3f}" in markdown and "identical" in markdown
+    # on a CPU each engine's KV cache holds every prompt's sequence at once, in what vLLM itself counts,
+    # and no more than that bound: not the fixed 2 GiB that cost seconds of every engine's start
+    for engine in ("drafted", "reference", "baseline"):
+        engine_log = (tmp_path / f"{engine}.log").read_text()
+        concurrency = float(re.search(r"Maximum concurrency for \d+ tokens per request: ([\d.]+)x", engine_log)[1])
+        space_gib = float(re.search(r"Explicitly set \(([\d.]+)/", engine_log)[1])
+        assert concurrency >= prompts and space_gib < 2.0, (engine, concurrency, space_gib)
 
     # the same measured numbers, with the roles swapped: a baseline that accepts more is a regression
     regressed = {**report, "live": {**report["live"], "baseline": {"mean_acceptance_length": 2 * measured["mean_acceptance_length"]}}}

@@ -26,7 +26,13 @@ import torch
 
 from tasks.common.progress import LoadMonitor, ProgressCallback
 from tasks.common.verifier import VerifierError, VerifierInfo
-from tasks.common.vllm_support import EXTRACTION_ADVICE, check_architecture, eagle3_support, quiet_shutdown_warnings
+from tasks.common.vllm_support import (
+    EXTRACTION_ADVICE,
+    check_architecture,
+    cpu_kv_cache_bytes,
+    eagle3_support,
+    quiet_shutdown_warnings,
+)
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +67,11 @@ class VllmBackend:
                      if on_cpu else {"kv_connector": "ExampleHiddenStatesConnector"})
         memory = {"gpu_memory_utilization": self.settings.gpu_memory_utilization}
         if on_cpu:
-            # On CPU that flag would reserve a share of host RAM; a fixed KV space (GiB) is what it needs.
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-            memory = {}
+            # On CPU that flag would reserve a share of host RAM; the space is what two batches need at once
+            # (one finishing, the next scheduled), with the 4 captured float32 hidden states of each token.
+            captured = 4 * 4 * self.verifier.hidden_size
+            memory = {"kv_cache_memory_bytes": cpu_kv_cache_bytes(self.verifier.path, 2 * self.settings.batch_tokens,
+                                                                  extra_bytes_per_token=captured)}
         with LoadMonitor(f"verifier {self.verifier.path.name} (vLLM, TP={self.settings.tensor_parallel_size})",
                          self.verifier.weight_bytes, callback):
             self.llm = LLM(
