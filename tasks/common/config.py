@@ -198,6 +198,11 @@ class TrainSettings(Section):
     fc_norm: bool = Field(True, description="EAGLE 3.1: one RMSNorm per auxiliary state before the fusion.")
     norm_output: bool = Field(True, description="EAGLE 3.1: post-norm hidden states fed back across TTT steps.")
     seed: int = 0
+    shuffle_block_shards: int | None = Field(
+        None, gt=0, description="Shuffle in blocks of this many consecutive extraction shards: each epoch takes the "
+        "blocks in an order of its own and packs each block's samples on their own, so training reads one block "
+        "of shards at a time (the order streaming will follow, docs/STREAMING.md; local reads where the shards "
+        "outgrow the page cache). None: one shuffle of every sample per epoch.")
     val_fraction: float = Field(0.05, ge=0, lt=1, description="Share of samples held out for validation.")
     eval_every: int = Field(200, gt=0, description="Validate and checkpoint every N steps, and at the end.")
     log_every: int = Field(10, gt=0)
@@ -220,7 +225,10 @@ class TrainSettings(Section):
     def output_settings(self) -> dict:
         """The settings that decide the draft, for fingerprints and cache keys (data loading, device
         and logging only change how it is made)."""
-        return self.model_dump(exclude={"loader_workers", "device", "log_every", "tensorboard", "profile_steps"})
+        settings = self.model_dump(exclude={"loader_workers", "device", "log_every", "tensorboard", "profile_steps"})
+        if settings["shuffle_block_shards"] is None:  # unset, the order of every earlier run: their keys stay
+            del settings["shuffle_block_shards"]
+        return settings
 
 
 class ValidationSettings(Section):

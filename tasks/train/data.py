@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import random
 import time
 from pathlib import Path
 
@@ -99,19 +100,51 @@ def split_indices(sample_ids: list[str], val_fraction: float) -> tuple[list[int]
     return [i for i in range(len(sample_ids)) if i not in val_set], val
 
 
+def shard_blocks(dataset: ShardDataset, shards_per_block: int) -> list[list[int]]:
+    """The dataset's positions grouped by blocks of `shards_per_block` consecutive extraction shards
+    (`train.shuffle_block_shards`), in shard order."""
+    blocks: dict[int, list[int]] = {}
+    for position, sample in enumerate(dataset.indices):
+        blocks.setdefault(dataset.reader.index[sample][0] // shards_per_block, []).append(position)
+    return [blocks[b] for b in sorted(blocks)]
+
+
 class StepBatches(torch.utils.data.Sampler):
-    """Index lists for this rank: per step, its grad_accum_steps micro-batches, from `start` on."""
+    """Index lists for this rank: per step, its grad_accum_steps micro-batches, from `start` on.
+
+    Without `blocks`, one epoch packs a shuffle of every sample (speculators' Multipack sampler).
+    With `blocks` (shard_blocks), each epoch takes the blocks in an order of its own (seeded by seed
+    and epoch) and packs each block's samples on their own (seeded by seed, epoch and block), one
+    block's steps after the other: training then reads a block of shards at a time, the order a
+    stream of hidden states can follow with a bounded window (docs/STREAMING.md)."""
 
     def __init__(self, lengths: list[int], total_seq_len: int, world_size: int, rank: int, grad_accum_steps: int,
-                 seed: int, epoch: int, start_step: int = 0):
-        slots = world_size * grad_accum_steps
-        per_slot = []
-        for slot in range(rank * grad_accum_steps, (rank + 1) * grad_accum_steps):
-            sampler = MultipackDistributedBatchSamplerV2(total_seq_len, lengths, num_replicas=slots, rank=slot, seed=seed)
-            sampler.set_epoch(epoch)
-            per_slot.append([b.tolist() for b in sampler])
-        self.steps = min(len(b) for b in per_slot)
+                 seed: int, epoch: int, start_step: int = 0, blocks: list[list[int]] | None = None):
+        slots = range(rank * grad_accum_steps, (rank + 1) * grad_accum_steps)
+        if blocks is None:
+            per_slot = [self._packed(lengths, total_seq_len, world_size * grad_accum_steps, slot, seed, epoch)
+                        for slot in slots]
+            self.steps = min(len(b) for b in per_slot)
+        else:
+            order = list(range(len(blocks)))
+            random.Random(f"block order {seed} {epoch}").shuffle(order)
+            per_slot, self.steps = [[] for _ in slots], 0
+            for b in order:
+                block = blocks[b]
+                packed = [self._packed([lengths[i] for i in block], total_seq_len, world_size * grad_accum_steps,
+                                       slot, seed + 1_000_003 * (b + 1), epoch) for slot in slots]
+                steps = min(len(p) for p in packed)  # every slot takes the block's full steps only, as per epoch
+                for mine, batches in zip(per_slot, packed, strict=True):
+                    mine.extend([block[i] for i in batch] for batch in batches[:steps])
+                self.steps += steps
         self.batches = [per_slot[a][s] for s in range(start_step, self.steps) for a in range(grad_accum_steps)]
+
+    @staticmethod
+    def _packed(lengths: list[int], total_seq_len: int, slots: int, slot: int, seed: int,
+                epoch: int) -> list[list[int]]:
+        sampler = MultipackDistributedBatchSamplerV2(total_seq_len, lengths, num_replicas=slots, rank=slot, seed=seed)
+        sampler.set_epoch(epoch)
+        return [b.tolist() for b in sampler]
 
     def __iter__(self):
         return iter(self.batches)
@@ -129,10 +162,11 @@ class TrainSchedule:
     """
 
     def __init__(self, lengths: list[int], total_seq_len: int, world_size: int, grad_accum_steps: int, seed: int,
-                 epochs: int, max_steps: int | None = None):
+                 epochs: int, max_steps: int | None = None, blocks: list[list[int]] | None = None):
         self.per_epoch: list[int] = []
         for epoch in range(epochs):  # every rank packs the same number of steps: rank 0's count is the count
-            self.per_epoch.append(StepBatches(lengths, total_seq_len, world_size, 0, grad_accum_steps, seed, epoch).steps)
+            self.per_epoch.append(StepBatches(lengths, total_seq_len, world_size, 0, grad_accum_steps, seed, epoch,
+                                              blocks=blocks).steps)
             if max_steps and sum(self.per_epoch) >= max_steps:
                 break
         self.total_steps = min(sum(self.per_epoch), max_steps or sum(self.per_epoch))

@@ -40,7 +40,12 @@ from tasks.common.verifier import inspect_verifier
 from tasks.common.workers import progress_file_callback, reporting_errors
 from tasks.extract.shards import read_manifest
 from tasks.train.acceptance import simulated_acceptance_length
-from tasks.train.checkpoints import export_draft, remove_temporaries, resume_newest_intact, save_checkpoint
+from tasks.train.checkpoints import (
+    export_draft,
+    remove_temporaries,
+    resume_newest_intact,
+    save_checkpoint,
+)
 from tasks.train.data import (
     MODEL_INPUTS,
     ShardDataset,
@@ -49,6 +54,7 @@ from tasks.train.data import (
     TrainSchedule,
     check_inputs,
     make_loader,
+    shard_blocks,
     split_indices,
     verify_shards,
 )
@@ -102,8 +108,9 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
     val_set = full.subset(val_idx) if val_idx else None
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     hidden = manifest["hidden_size"]
+    blocks = shard_blocks(train_set, s.shuffle_block_shards) if s.shuffle_block_shards else None
     schedule = TrainSchedule(train_set.lengths(), s.total_seq_len, world, s.grad_accum_steps, s.seed, s.epochs,
-                             s.max_steps)
+                             s.max_steps, blocks)
     if schedule.per_epoch[0] == 0:
         raise TrainDataError(f"{len(train_idx)} training samples give no full step for {world} process(es) x "
                              f"{s.grad_accum_steps} micro-batches; lower train.total_seq_len or add data")
@@ -151,7 +158,7 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
     while step < total_steps:
         epoch, in_epoch = schedule.locate(step)
         sampler = StepBatches(train_set.lengths(), s.total_seq_len, world, rank, s.grad_accum_steps, s.seed, epoch,
-                              start_step=in_epoch)
+                              start_step=in_epoch, blocks=blocks)
         batches = iter(make_loader(train_set, sampler, s.total_seq_len, hidden, dtype, s.loader_workers))
         for _ in range(in_epoch, schedule.per_epoch[epoch]):
             if step >= total_steps:

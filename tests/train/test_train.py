@@ -233,6 +233,45 @@ def test_kill_then_resume_across_uneven_epochs_reproduces_the_uninterrupted_run(
     assert result.simulated_acceptance_length == pytest.approx(done.simulated_acceptance_length, abs=1e-6)
 
 
+def test_block_shuffle_reads_a_block_of_shards_at_a_time_takes_every_sample_and_resumes_mid_block(
+        varied_data, smollm2, tmp_path):
+    """`train.shuffle_block_shards`: each step's samples come from one block of consecutive shards,
+    each block's steps come together once an epoch, in another block order each epoch; every sample
+    is trained once an epoch; DDP ranks read the same block at the same step; a resumed epoch
+    continues with the very batches it would have had; a run trains to the schedule's step count."""
+    from tasks.train.data import ShardDataset, StepBatches, TrainSchedule, shard_blocks, split_indices
+
+    prepared, extraction, _ = varied_data
+    full = ShardDataset(extraction.manifest, prepared.path)
+    train_set = full.subset(split_indices(full.reader.sample_ids, FAST["val_fraction"])[0])
+    blocks = shard_blocks(train_set, 2)
+
+    def block_of(position: int) -> int:
+        return train_set.reader.index[train_set.indices[position]][0] // 2
+
+    assert len(blocks) >= 3 and sorted(p for b in blocks for p in b) == list(range(len(train_set)))
+    lengths, orders = train_set.lengths(), []
+    for epoch in range(3):
+        steps = StepBatches(lengths, 512, 1, 0, 1, 0, epoch, blocks=blocks)
+        assert sorted(p for batch in steps for p in batch) == list(range(len(train_set)))  # each sample once
+        read = [{block_of(p) for p in batch} for batch in steps]
+        assert all(len(b) == 1 for b in read), read  # a step reads one block
+        per_step = [b.pop() for b in read]
+        order = [b for i, b in enumerate(per_step) if i == 0 or per_step[i - 1] != b]
+        assert sorted(order) == list(range(len(blocks)))  # each block's steps together, once
+        orders.append(order)
+        ranks = [StepBatches(lengths, 512, 2, r, 1, 0, epoch, blocks=blocks) for r in range(2)]
+        assert [{block_of(p) for p in a} == {block_of(p) for p in b} for a, b in zip(*ranks, strict=True)] == \
+            [True] * ranks[0].steps
+        middle = steps.steps // 2
+        assert StepBatches(lengths, 512, 1, 0, 1, 0, epoch, middle, blocks).batches == steps.batches[middle:]
+    assert len({tuple(o) for o in orders}) > 1  # the blocks in another order each epoch
+
+    schedule = TrainSchedule(lengths, 384, 1, 1, FAST["seed"], 1, blocks=blocks)
+    done = train(varied_data, smollm2, tmp_path, epochs=1, shuffle_block_shards=2, eval_every=1000)
+    assert done.steps == schedule.total_steps == sum(schedule.per_epoch)
+
+
 def test_two_process_ddp_matches_one_process_with_the_same_global_batch(data, smollm2, tmp_path):
     _, extraction, vocab = data
     settings = {"epochs": 2, "eval_every": 100}
