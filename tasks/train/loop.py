@@ -40,12 +40,7 @@ from tasks.common.verifier import inspect_verifier
 from tasks.common.workers import progress_file_callback, reporting_errors
 from tasks.extract.shards import read_manifest
 from tasks.train.acceptance import simulated_acceptance_length
-from tasks.train.checkpoints import (
-    export_draft,
-    remove_temporaries,
-    resume_newest_intact,
-    save_checkpoint,
-)
+from tasks.train.checkpoints import export_draft, remove_temporaries, resume_newest_intact, save_checkpoint
 from tasks.train.data import (
     MODEL_INPUTS,
     ShardDataset,
