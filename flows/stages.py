@@ -60,10 +60,10 @@ EXTRACT_CODE = ("tasks.extract.stage", "tasks.extract.plan", "tasks.extract.writ
                 "tasks.common.sealed", "tasks.common.verifier")
 VOCAB_CODE = ("tasks.vocab", "tasks.prepare.dataset", "tasks.common.sealed", "tasks.common.verifier")
 TRAIN_CODE = ("tasks.train.stage", "tasks.train.job", "tasks.train.loop", "tasks.train.data", "tasks.train.model",
-              "tasks.train.evaluation", "tasks.train.acceptance", "tasks.train.checkpoints", "tasks.train.step_profile",
-              "tasks.train.tracking", "tasks.train.targets", "tasks.extract.shards", "tasks.extract.storage_dtype",
-              "tasks.prepare.dataset", "tasks.vocab", "tasks.common.journal", "tasks.common.sealed",
-              "tasks.common.verifier")
+              "tasks.train.evaluation", "tasks.train.acceptance", "tasks.train.on_policy", "tasks.train.checkpoints",
+              "tasks.train.step_profile", "tasks.train.tracking", "tasks.train.targets", "tasks.extract.shards",
+              "tasks.extract.storage_dtype", "tasks.prepare.dataset", "tasks.vocab", "tasks.common.journal",
+              "tasks.common.sealed", "tasks.common.verifier")
 VALIDATE_CODE = ("tasks.validate.stage", "tasks.validate.draft_check", "tasks.validate.vllm_live",
                  "tasks.common.verifier")
 

@@ -188,6 +188,11 @@ class TrainSettings(Section):
     ttt_steps: int = Field(3, gt=0, description="Training-time-test steps: draft positions trained.")
     ttt_step_loss_decay: float = Field(1.0, gt=0)
     loss: str = Field("kl_div", description="speculators loss name (kl_div, ce, tv, ...) or a JSON weighted mix.")
+    on_policy_steps: int = Field(
+        0, ge=0, description="On-policy refinement: the last N optimizer steps train only on the states the draft's "
+        "own greedy drafting reaches (each batch is drafted by the current draft and replayed as speculative decoding "
+        "over the verifier's answer; the loss keeps each draft's steps up to its first rejected token: "
+        "tasks/train/on_policy.py). Their logged train loss is that weighted loss. 0: supervised throughout.")
     num_layers: int = Field(1, gt=0, description="Draft decoder layers (vLLM serves 1).")
     norm_before_residual: bool = True
     # EAGLE-3.1 (fc_norm and norm_output) by default: on the preset's data at 1,500 steps it gave +2.7%
@@ -228,6 +233,8 @@ class TrainSettings(Section):
         settings = self.model_dump(exclude={"loader_workers", "device", "log_every", "tensorboard", "profile_steps"})
         if settings["shuffle_block_shards"] is None:  # unset, the order of every earlier run: their keys stay
             del settings["shuffle_block_shards"]
+        if not settings["on_policy_steps"]:  # likewise: supervised throughout, as every earlier run
+            del settings["on_policy_steps"]
         return settings
 
 

@@ -36,6 +36,34 @@ def simulated_acceptance_length(metrics: dict[str, float], k: int) -> float:
     return 1.0 + sum(per_position_acceptance(metrics, k))
 
 
+def correct_drafts(draft_tokens: list[torch.Tensor], targets: torch.Tensor, loss_mask: torch.Tensor,
+                   document_ids: torch.Tensor) -> torch.Tensor:
+    """[k, T] bool: the draft starting at p is right at step j (its token equals targets[p + j] within
+    the same document's answer; speculators' TTT alignment). Arguments as `replay_speculative_decoding`'s."""
+    answer, docs, target = loss_mask[0].bool(), document_ids[0], targets[0]
+    n = target.numel()
+    correct = torch.zeros(len(draft_tokens), n, dtype=torch.bool, device=target.device)
+    for j, tokens in enumerate(draft_tokens[:n]):
+        correct[j, : n - j] = (tokens[0, : n - j] == target[j:]) & answer[j:] & (docs[j:] == docs[: n - j])
+    return correct
+
+
+def replayed_drafts(correct: torch.Tensor, loss_mask: torch.Tensor) -> list[tuple[int, int]]:
+    """Greedy speculative decoding replayed over a packed batch: (start, accepted) for each draft it
+    makes. A draft starts after the last verified token, its leading correct tokens are accepted, the
+    verifier adds one token, and the next draft starts there."""
+    leading_correct = torch.cumprod(correct.long(), dim=0).sum(dim=0).tolist()
+    starts = loss_mask[0].bool().tolist()
+    drafts, p = [], 0
+    while p < len(starts):
+        if starts[p]:
+            drafts.append((p, leading_correct[p]))
+            p += leading_correct[p] + 1
+        else:
+            p += 1
+    return drafts
+
+
 def replay_speculative_decoding(draft_tokens: list[torch.Tensor], targets: torch.Tensor, loss_mask: torch.Tensor,
                                 document_ids: torch.Tensor) -> dict[str, torch.Tensor]:
     """Counts of greedy speculative decoding replayed over a packed batch, as `_sum`/`_total` pairs
@@ -44,33 +72,15 @@ def replay_speculative_decoding(draft_tokens: list[torch.Tensor], targets: torch
 
     draft_tokens: k tensors [1, T], the draft's argmax at each TTT step (speculators' forward);
     targets: [1, T], the verifier's greedy token at each position, in the draft vocabulary;
-    loss_mask: [1, T], the answer positions (drafts start there); document_ids: [1, T].
-    A draft starting at p is right at step j when its token equals targets[p + j] within the same
-    document's answer (speculators' TTT alignment)."""
+    loss_mask: [1, T], the answer positions (drafts start there); document_ids: [1, T]."""
     k = len(draft_tokens)
-    answer, docs, target = loss_mask[0].bool(), document_ids[0], targets[0]
-    n = target.numel()
-    correct = torch.zeros(k, n, dtype=torch.bool, device=target.device)
-    for j, tokens in enumerate(draft_tokens[:n]):
-        correct[j, : n - j] = (tokens[0, : n - j] == target[j:]) & answer[j:] & (docs[j:] == docs[: n - j])
-    leading_correct = torch.cumprod(correct.long(), dim=0).sum(dim=0).tolist()
-    starts = answer.tolist()
-    steps, tokens, accepted = 0, 0, [0] * k
-    p = 0
-    while p < n:
-        if starts[p]:
-            a = leading_correct[p]
-            steps, tokens = steps + 1, tokens + a + 1
-            for i in range(a):
-                accepted[i] += 1
-            p += a + 1
-        else:
-            p += 1
+    drafts = replayed_drafts(correct_drafts(draft_tokens, targets, loss_mask, document_ids), loss_mask)
+    steps, tokens = len(drafts), sum(a + 1 for _, a in drafts)
     counts = {f"{REPLAYED}_length_sum": tokens, f"{REPLAYED}_length_total": steps}
-    for i, a in enumerate(accepted):
-        counts |= {f"{REPLAYED}_{i}_sum": a, f"{REPLAYED}_{i}_total": steps}
+    for i in range(k):
+        counts |= {f"{REPLAYED}_{i}_sum": sum(a > i for _, a in drafts), f"{REPLAYED}_{i}_total": steps}
     # on the batch's device: they are summed and all-reduced with speculators' metrics
-    return {name: torch.tensor(float(v), device=target.device) for name, v in counts.items()}
+    return {name: torch.tensor(float(v), device=targets.device) for name, v in counts.items()}
 
 
 def replayed_per_position(metrics: dict[str, float], k: int) -> list[float]:

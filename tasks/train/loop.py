@@ -17,6 +17,9 @@ the accelerator every step), so this is one lean loop that runs the same on CPU 
 - Checkpoints (tasks/train/checkpoints.py) hold the draft and the training state, the metrics window
   included; after a kill, training resumes from the last complete checkpoint and follows the
   uninterrupted run's trajectory, its metrics log included.
+- `train.on_policy_steps`: the run's last steps train on the states the draft's own drafting reaches
+  (tasks/train/on_policy.py): each micro-batch is drafted first, without gradients, and the loss
+  weighs only the (start, step) pairs replayed greedy decoding runs.
 - The best checkpoint is chosen by the *simulated acceptance length* on held-out samples, not
   by loss (acceptance can peak while loss still falls), and exported in bf16 as `draft/`.
 """
@@ -56,6 +59,7 @@ from tasks.train.data import (
 from tasks.train.evaluation import accumulate, evaluate, reduce_metrics, reduce_sums
 from tasks.train.job import TrainJob, TrainResult
 from tasks.train.model import build_draft, build_optimizers
+from tasks.train.on_policy import on_policy_loss_config, weigh_drafted_states
 from tasks.train.step_profile import StepProfiler
 from tasks.train.targets import check_targets, last_states
 from tasks.train.tracking import TrainingLog
@@ -124,6 +128,13 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
     # the eager one is the same loss, computed in plain torch.
     loss_config = resolve_loss_config(s.loss, "eager")
     call = {"ttt_steps": s.ttt_steps, "ttt_step_loss_decay": s.ttt_step_loss_decay, "loss_config": loss_config}
+    # on-policy refinement: the run's last steps train on the states the draft's own drafts reach
+    # (tasks/train/on_policy.py); validation keeps the supervised loss, so its loss stays comparable
+    if s.on_policy_steps >= total_steps:
+        raise TrainDataError(f"train.on_policy_steps={s.on_policy_steps} leaves no supervised step of the "
+                             f"{total_steps} this run trains: refinement needs a draft that already drafts")
+    on_policy_from = total_steps - s.on_policy_steps if s.on_policy_steps else total_steps
+    on_policy_call = {**call, "loss_config": on_policy_loss_config(loss_config)}
 
     step, best = 0, {"step": -1, "acceptance": -1.0, "metrics": {}}
     sums: dict[str, torch.Tensor] = {}  # the metrics of the steps since the last log record
@@ -158,6 +169,10 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
         for _ in range(in_epoch, schedule.per_epoch[epoch]):
             if step >= total_steps:
                 break
+            on_policy = step >= on_policy_from
+            if on_policy and step == on_policy_from and rank == 0:
+                log.info("on-policy refinement: steps %d-%d train on the states the draft's own drafts reach",
+                         step + 1, total_steps)
             for o in optimizers:
                 o.zero_grad(set_to_none=True)
             for micro in range(s.grad_accum_steps):
@@ -170,7 +185,10 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
                 with net.no_sync() if not sync else nullcontext(), torch.autocast(
                         device.type, dtype, enabled=device.type == "cuda"):
                     with profiler.phase("forward"):
-                        _, loss, metrics = net(**inputs, **call)
+                        if on_policy:
+                            accumulate(sums, weigh_drafted_states(model, inputs, s.ttt_steps,
+                                                                  on_policy_call["loss_config"]))
+                        _, loss, metrics = net(**inputs, **(on_policy_call if on_policy else call))
                     with profiler.phase("backward"):
                         (loss / s.grad_accum_steps).backward()
                 accumulate(sums, metrics)

@@ -454,3 +454,74 @@ def test_metrics_log_after_a_resume_equals_the_uninterrupted_runs(data, smollm2,
     got, want = read_metrics(killed), read_metrics(reference)
     assert [{k: v for k, v in m.items() if k not in timing} for m in got] == \
         [{k: v for k, v in m.items() if k not in timing} for m in want]
+
+
+def test_on_policy_refinement_trains_the_replayed_drafts_states_and_resumes_exactly(data, smollm2, tmp_path):
+    """train.on_policy_steps: the last steps weigh each (start, step) pair by whether replayed greedy
+    decoding with the current draft runs it. Checked against the draft's own logits (read off its
+    lm_head) and speculators' per-position loss, against the replay's counts, and for an exact resume
+    of a run killed inside the refinement."""
+    from speculators.losses import resolve_loss_config
+
+    from tasks.extract.shards import read_manifest
+    from tasks.train.checkpoints import load_draft
+    from tasks.train.data import MODEL_INPUTS, ShardDataset, StepBatches, make_loader
+    from tasks.train.job import train_fingerprint
+    from tasks.train.on_policy import on_policy_loss_config, weigh_drafted_states
+
+    k = 3  # train.ttt_steps' default
+    settings = {"max_steps": 24, "on_policy_steps": 10, "eval_every": 8, "keep_checkpoints": 10}
+    reference = tmp_path / "reference"
+    result = train(data, smollm2, reference, **settings)
+    train_log = [m for m in read_metrics(reference) if m["split"] == "train"]
+    assert [m["step"] for m in train_log if "drafted_states" in m] == list(range(15, 25))  # the last 10 steps only
+    assert all(0 < m["drafted_states"] < 1 for m in train_log if m["step"] > 14)
+    assert [m["step"] for m in read_metrics(reference) if m["split"] == "val"] == [8, 16, 24]
+
+    # one batch, the trained draft: each step's loss covers exactly the pairs replayed decoding runs
+    prepared, extraction, _ = data
+    dataset = ShardDataset(extraction.manifest, prepared.path)
+    batch = next(iter(make_loader(dataset, StepBatches(dataset.lengths(), 4096, 1, 0, 1, 0, 0), 4096,
+                                  read_manifest(extraction.manifest)["hidden_size"], torch.float32, 0)))
+    inputs = {name: batch[name] for name in MODEL_INPUTS}
+    model = load_draft(result.draft_path, torch.device("cpu"), smollm2)
+    base = resolve_loss_config("kl_div", "eager")
+    config = on_policy_loss_config(base)
+    counts = weigh_drafted_states(model, inputs, k, config)
+    weights = next(iter(config.values()))[0].weights
+    logits = []
+    hook = model.lm_head.register_forward_hook(lambda module, args, out: logits.append(out.detach()))
+    with torch.no_grad():
+        draft_tokens, _, metrics = model(**inputs, ttt_steps=k, ttt_step_loss_decay=1.0, loss_config=config)
+    hook.remove()
+    targets = model.verifier_lm_head(model.verifier_norm(inputs["verifier_last_hidden_states"]))
+    mask = inputs["loss_mask"].float()
+    n = mask.shape[1]
+    replay = replay_speculative_decoding(draft_tokens, targets.argmax(-1), inputs["loss_mask"], inputs["document_ids"])
+    # one draft per verification step, each running up to its first rejected step (a draft fully accepted: k steps)
+    assert weights[0].sum() == replay["replayed_acceptance_length_total"]
+    assert weights.sum() == replay["replayed_acceptance_length_sum"] - replay[f"replayed_acceptance_{k - 1}_sum"]
+    assert counts["drafted_states_sum"] == weights.sum() and counts["drafted_states_total"] == mask.sum() * k
+    assert 0 < weights[k - 1].sum() < weights[1].sum() < weights[0].sum()
+    kl = base["kl_div"][0]
+    for j in range(k):
+        per_position = kl(logits[j][:, : n - j], targets[:, j:]) * mask[:, j:] * weights[j, : n - j]
+        assert metrics[f"loss_{j}_sum"] == pytest.approx(float(per_position.sum() / mask[:, j:].sum()), rel=1e-4)
+
+    # killed inside the refinement (the checkpoint of step 16 kept, later ones lost): the same run again
+    killed = tmp_path / "killed"
+    shutil.copytree(reference, killed)
+    for checkpoint in checkpoint_dirs(killed)[2:]:
+        shutil.rmtree(checkpoint)
+    shutil.rmtree(killed / "draft")
+    resumed = train(data, smollm2, killed, **settings)
+    untimed = [{name: v for name, v in m.items() if name != "tokens_per_s"} for m in read_metrics(killed)]
+    assert untimed == [{name: v for name, v in m.items() if name != "tokens_per_s"} for m in read_metrics(reference)]
+    assert resumed.simulated_acceptance_length == result.simulated_acceptance_length
+
+    with pytest.raises(TrainDataError, match="on_policy_steps=24 leaves no supervised step"):
+        train(data, smollm2, tmp_path / "all-on-policy", **{**settings, "on_policy_steps": 24})
+
+    # a setting of the draft: in the cache key when set, and absent when 0, so earlier runs keep their keys
+    assert train_fingerprint("m", "v", {**FAST, "on_policy_steps": 0}) == train_fingerprint("m", "v", FAST)
+    assert train_fingerprint("m", "v", {**FAST, "on_policy_steps": 10}) != train_fingerprint("m", "v", FAST)
