@@ -508,6 +508,18 @@ def test_on_policy_refinement_trains_the_replayed_drafts_states_and_resumes_exac
         per_position = kl(logits[j][:, : n - j], targets[:, j:]) * mask[:, j:] * weights[j, : n - j]
         assert metrics[f"loss_{j}_sum"] == pytest.approx(float(per_position.sum() / mask[:, j:].sum()), rel=1e-4)
 
+    # as on a GPU, where speculators compiles the forward: traced by dynamo (aot_eager: no code generation
+    # here), each step's loss is the eager one, with the weights read afresh for each batch (not baked in)
+    compiled = torch.compile(model, backend="aot_eager")
+    for scale in (1.0, 0.5):
+        next(iter(config.values()))[0].weights = weights * scale
+        with torch.no_grad():
+            traced, eager = (forward(**inputs, ttt_steps=k, ttt_step_loss_decay=1.0, loss_config=config)[2]
+                             for forward in (compiled, model))
+        for j in range(k):
+            assert traced[f"loss_{j}_sum"] == pytest.approx(float(eager[f"loss_{j}_sum"]), rel=1e-5)
+            assert eager[f"loss_{j}_sum"] == pytest.approx(scale * float(metrics[f"loss_{j}_sum"]), rel=1e-5)
+
     # killed inside the refinement (the checkpoint of step 16 kept, later ones lost): the same run again
     killed = tmp_path / "killed"
     shutil.copytree(reference, killed)
