@@ -66,9 +66,13 @@ def validation_curve(train_dir: Path) -> list[tuple[int, float]]:
             for m in read_metrics(train_dir) if m["split"] == "val"]
 
 
-def mtbench_set(verifier: str, questions: str, work: Path, max_seq_len: int, answer_tokens: int):
-    """The verifier's greedy MT-Bench answers, prepared and extracted: the scoring set."""
-    answers = answer_mtbench(verifier, questions, work, answer_tokens)
+def mtbench_set(verifier: str, questions: str, work: Path, max_seq_len: int, answer_tokens: int,
+                reuse_answers: bool = False):
+    """The verifier's greedy MT-Bench answers, prepared and extracted: the scoring set (`reuse_answers`:
+    the answers an earlier call wrote under `work`, if any)."""
+    answers = work / "mtbench_answers.jsonl"
+    if not (reuse_answers and answers.exists()):
+        answers = answer_mtbench(verifier, questions, work, answer_tokens)
     prepared = prepare(verifier, [str(answers)], work / "mtbench", max_seq_len=max_seq_len)
     extracted = run_extraction(ExtractJob(prepared.path, prepared.fingerprint, verifier, str(work / "mtbench-hs"),
                                           settings={"reserve_disk_gb": 1}), in_process=True)
