@@ -274,7 +274,7 @@ def test_block_shuffle_reads_a_block_of_shards_at_a_time_takes_every_sample_and_
 
 def test_two_process_ddp_matches_one_process_with_the_same_global_batch(data, smollm2, tmp_path):
     _, extraction, vocab = data
-    settings = {"epochs": 2, "eval_every": 100}
+    settings = {"epochs": 2, "eval_every": 100, "on_policy_steps": 3}  # the last 3 steps: on-policy refinement
     single = train(data, smollm2, tmp_path / "one", grad_accum_steps=2, **settings)
     ddp_job = job(data, smollm2, tmp_path / "two", nproc=2, **settings)
     ddp = run_training(ddp_job, extraction.fingerprint, vocab.fingerprint)
@@ -283,9 +283,10 @@ def test_two_process_ddp_matches_one_process_with_the_same_global_batch(data, sm
     for x, y in zip(a, b, strict=True):
         if x["split"] == "train":  # the same global batches: the same losses, step by step
             assert x["loss"] == pytest.approx(y["loss"], rel=1e-3), x["step"]
+            assert x.get("drafted_states", 0) == pytest.approx(y.get("drafted_states", 0), rel=1e-6), x["step"]
         else:  # validation is split over the ranks: token-counted accuracies agree, batch-mean losses need not
             assert x["simulated_acceptance_length"] == pytest.approx(y["simulated_acceptance_length"], abs=1e-3)
-    assert ddp.steps == single.steps
+    assert ddp.steps == single.steps and sum("drafted_states" in m for m in a) == 3
 
 
 def test_mismatched_inputs_fail_before_training(data, smollm2, tmp_path):
