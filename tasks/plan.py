@@ -3,7 +3,8 @@ no model load, no GPU; deployments/verifiers/ holds such folders for the presets
 
     whether vLLM serves the verifier -> prepare (tokenize the chat data: the tokenizer is all it
     loads) -> the extraction plan (tasks/extract/plan.py: tokens, bytes, shards, host memory, free
-    disk) -> a time estimate on the target GPUs, from the extraction rate measured on an H200
+    disk) -> a time estimate on the target GPUs: the slower of the extraction rate measured on an
+    H200 (scaled by active parameters) and the writes at the disk's sustained rate
 
 - First, before tokenizing anything, it asks whether the installed vLLM can serve the verifier with
   an EAGLE-3 draft (tasks/preflight.py): a run that requires live validation and could not have it
@@ -53,6 +54,11 @@ H100_BF16_TFLOPS = 989.0
 # other shapes is estimated at the same share of the GPU's arithmetic, by its active parameters.
 MEASURED_TOKENS_PER_S = {"eager": 28_741, "compiled": 32_446}
 MEASURED_PARAMETERS = 8.03e9
+# What the H200 machine's disk sustained under extraction's writes: 1.0-1.2 GB/s (SmolLM2 preset: 225,451
+# tokens/s x 4,608 bytes in bf16, 431,290 x 2,304 in fp8; 8B shapes: 1.06-1.2 GB/s; docs/BENCHMARKS.md).
+# A small verifier computes far faster than any disk takes its states: scaled from 8B shapes, SmolLM2
+# would extract ~2M tokens/s; the disk bound says 217k, and 225,451 were measured.
+MEASURED_DISK_BYTES_PER_S = 1.0e9
 STAND_IN_TOKENIZER = "smollm2-135m-instruct"  # the demo's asset (tasks/common/demo_assets.py)
 
 
@@ -66,7 +72,9 @@ class RunSizing:
     parameters_from: str  # "weights", "safetensors index" or "config.json"
     gpus: int
     gpu_tflops: float
+    disk_bytes_per_s: float  # the output folder's sustained write rate, all the run's writers together
     gpu_seconds: float
+    bound: str  # what sets gpu_seconds: "compute" (the verifier's forward) or "disk" (the writes)
     problems: list[str]  # why extraction would refuse to start on this machine (disk, host memory)
     regenerate: bool
     serving: str  # whether vLLM here serves the verifier with an EAGLE-3 draft (live validation)
@@ -77,8 +85,9 @@ class RunSizing:
         return {**plan, "prepared": self.prepared.path if self.kept else None, "tokenizer": self.tokenizer,
                 "verifier_parameters_b": round(self.parameters / 1e9, 2),
                 "active_parameters_b": round(self.active_parameters / 1e9, 2), "parameters_from": self.parameters_from,
-                "gpus": self.gpus, "gpu_tflops": self.gpu_tflops,
-                "estimated_time_on_gpu": format_seconds(self.gpu_seconds), "problems_here": self.problems,
+                "gpus": self.gpus, "gpu_tflops": self.gpu_tflops, "disk_gb_per_s": self.disk_bytes_per_s / 1e9,
+                "estimated_time_on_gpu": format_seconds(self.gpu_seconds), "bound_by": self.bound,
+                "problems_here": self.problems,
                 "regenerate": self.regenerate, "live_validation": self.serving}
 
     def describe(self) -> str:
@@ -90,8 +99,9 @@ class RunSizing:
                           "verifier's answers instead, whose lengths differ)" if self.regenerate else ""),
                  f"  verifier: {self.parameters / 1e9:.2f} B parameters{active} (from {self.parameters_from}); "
                  f"extraction on {self.gpus} GPU(s) of {self.gpu_tflops:g} dense bf16 TFLOP/s: about "
-                 f"{format_seconds(self.gpu_seconds)} (the rate measured for 8B shapes on an H200, "
-                 "scaled by active parameters; docs/BENCHMARKS.md)",
+                 f"{format_seconds(self.gpu_seconds)}, bound by the {self.bound} (the slower of the rate measured "
+                 f"for 8B shapes on an H200, scaled by active parameters, and the writes at "
+                 f"{self.disk_bytes_per_s / 1e9:g} GB/s; docs/BENCHMARKS.md)",
                  f"  live validation: {self.serving}",
                  f"  prepared data: {self.prepared.path} (the run reuses it)" if self.kept else
                  "  nothing was written (--keep writes the prepared data under output_dir for the run to reuse)"]
@@ -171,9 +181,11 @@ def prepared_into(config: PipelineConfig, keep: bool) -> Iterator[Path]:
         yield Path(folder)
 
 
-def size_run(config: PipelineConfig, gpu_tflops: float = H100_BF16_TFLOPS, keep: bool = False) -> RunSizing:
+def size_run(config: PipelineConfig, gpu_tflops: float = H100_BF16_TFLOPS, keep: bool = False,
+             disk_bytes_per_s: float = MEASURED_DISK_BYTES_PER_S) -> RunSizing:
     """`config` with local paths (demo:// resolved); loads no model. Nothing is written under
-    output_dir unless `keep`."""
+    output_dir unless `keep`. `disk_bytes_per_s`: what the output folder sustains in writes from all
+    the run's writers together (one node's disk, or a cluster's shared filesystem: docs/SCALE.md)."""
     verifier = inspect_verifier(config.verifier.path)
     serving = serving_line(config, verifier)
     parameters, active, source = parameter_count(verifier)
@@ -209,8 +221,10 @@ def size_run(config: PipelineConfig, gpu_tflops: float = H100_BF16_TFLOPS, keep:
     gpus = e.tensor_parallel_size if e.backend == "vllm" else e.workers
     rate = MEASURED_TOKENS_PER_S["compiled" if e.compile else "eager"] * (MEASURED_PARAMETERS / active) * (
         gpu_tflops / H100_BF16_TFLOPS) * gpus
-    return RunSizing(plan, prepared, tokenizer, parameters, active, source, gpus, gpu_tflops,
-                     plan.pending_tokens / rate, problems, config.data.regenerate.enabled, serving, keep)
+    compute_s, disk_s = plan.pending_tokens / rate, plan.bytes_to_write / disk_bytes_per_s
+    return RunSizing(plan, prepared, tokenizer, parameters, active, source, gpus, gpu_tflops, disk_bytes_per_s,
+                     max(compute_s, disk_s), "disk" if disk_s > compute_s else "compute", problems,
+                     config.data.regenerate.enabled, serving, keep)
 
 
 def serving_line(config: PipelineConfig, verifier: VerifierInfo) -> str:

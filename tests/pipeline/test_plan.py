@@ -12,7 +12,7 @@ import pytest
 from flows.cli import main
 from tasks.common.progress import format_seconds
 from tasks.common.verifier import TOKENIZER_FILES, WEIGHT_SUFFIXES
-from tasks.plan import H100_BF16_TFLOPS, MEASURED_PARAMETERS, MEASURED_TOKENS_PER_S
+from tasks.plan import H100_BF16_TFLOPS, MEASURED_DISK_BYTES_PER_S, MEASURED_PARAMETERS, MEASURED_TOKENS_PER_S
 from tasks.prepare.dataset import read_report
 
 DEPLOYMENTS = Path(__file__).resolve().parents[2] / "deployments"
@@ -61,8 +61,9 @@ def test_the_one_gpu_preset_is_planned_on_cpu_without_weights(config_only, tmp_p
     assert sized["shards"] == 1 and sized["host_buffers_gb_per_worker"] == round(3 * tokens * 4 * 4096 * 2 / 1e9, 2)
     assert sized["parameters_from"] == "config.json" and sized["verifier_parameters_b"] == 8.03  # Llama-3.1-8B
     assert sized["gpu_tflops"] == H100_BF16_TFLOPS and sized["gpus"] == 1  # the measured H200 rate, unscaled
-    assert sized["estimated_time_on_gpu"] == format_seconds(tokens / MEASURED_TOKENS_PER_S["compiled"]
-                                                            * 8.03e9 / MEASURED_PARAMETERS)
+    # 8B shapes write 32 KB a token: at the H200 machine's 1.0 GB/s its disk binds before the forward does
+    assert sized["disk_gb_per_s"] == MEASURED_DISK_BYTES_PER_S / 1e9 and sized["bound_by"] == "disk"
+    assert sized["estimated_time_on_gpu"] == format_seconds(tokens * 4 * 4096 * 2 / MEASURED_DISK_BYTES_PER_S)
     assert sized["regenerate"] is True and sized["problems_here"] == []
     assert sized["tokenizer"] == "the verifier's own tokenizer"
     assert (tmp_path / "out" / "hidden_states").is_dir() and not list((tmp_path / "out" / "hidden_states").iterdir())
@@ -73,6 +74,11 @@ def test_the_one_gpu_preset_is_planned_on_cpu_without_weights(config_only, tmp_p
     assert code == 0
     assert "8.03 B parameters (from safetensors index)" in text and "with regeneration on" in text
     assert f"{tokens:,} tokens in 1 shards" in text and "the disk and host memory checks pass" in text
+
+    main(["plan", str(PRESET), *[a for s in settings for a in ("--set", s)], "--json", "--disk-gb-per-s", "10"])
+    faster_disk = json.loads(capsys.readouterr().out)  # a disk 10x faster: the forward's measured rate binds
+    assert faster_disk["bound_by"] == "compute" and faster_disk["estimated_time_on_gpu"] == format_seconds(
+        tokens / MEASURED_TOKENS_PER_S["compiled"] * 8.03e9 / MEASURED_PARAMETERS)
 
     code, text = plan(capsys, *settings[:-1], "extract.reserve_disk_gb=1000000", json_output=False)
     assert code == 1 and "extraction would refuse to start: not enough disk" in text
