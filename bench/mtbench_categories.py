@@ -18,7 +18,6 @@ import argparse
 import json
 import logging
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -28,21 +27,6 @@ from tasks.common.demo_assets import ensure_asset  # noqa: E402
 from tasks.extract.shards import ShardReader  # noqa: E402
 from tasks.train.acceptance import simulated_acceptance_length  # noqa: E402
 from tasks.train.evaluation import evaluate_draft  # noqa: E402
-
-
-def samples_by_category(questions: Path, answers: Path, manifest: str) -> dict[str, list[int]]:
-    """The scoring set's extracted samples (manifest rows) of each MT-Bench category. An answers row
-    is `answers.jsonl:<line>` (tasks/prepare/chat_data.py) and names its question by its user turn."""
-    category = {}
-    for line in questions.read_text().splitlines():
-        if line.strip():
-            q = json.loads(line)
-            category[q["turns"][0]] = q["category"]
-    rows = [json.loads(line) for line in answers.read_text().splitlines() if line.strip()]
-    groups = defaultdict(list)
-    for i, sample_id in enumerate(ShardReader(manifest).sample_ids):
-        groups[category[rows[int(sample_id.rsplit(":", 1)[1])]["messages"][0]["content"]]].append(i)
-    return dict(sorted(groups.items()))
 
 
 def main() -> None:
@@ -57,8 +41,8 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     verifier = a.verifier or str(ensure_asset("smollm2-135m-instruct"))
     a.work.mkdir(parents=True, exist_ok=True)
-    prepared, extracted = mtbench_set(verifier, str(a.mtbench), a.work, 1024, a.answer_tokens, reuse_answers=True)
-    groups = samples_by_category(a.mtbench, a.work / "mtbench_answers.jsonl", extracted.manifest)
+    prepared, extracted, groups = mtbench_set(verifier, str(a.mtbench), a.work, 1024, a.answer_tokens,
+                                              reuse_answers=True)
     lengths = ShardReader(extracted.manifest).lengths
     report = {}
     for draft in a.drafts:

@@ -33,6 +33,7 @@ import json
 import logging
 import sys
 import time
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
@@ -45,6 +46,7 @@ from bench.acceptance import answer_mtbench, split_for_return  # noqa: E402
 from flows.cli import parse_overrides  # noqa: E402
 from tasks.common.config import TrainSettings  # noqa: E402
 from tasks.common.folder_lock import held_by_live_process  # noqa: E402
+from tasks.extract.shards import ShardReader  # noqa: E402
 from tasks.extract.stage import ExtractJob, run_extraction  # noqa: E402
 from tasks.prepare.stage import prepare  # noqa: E402
 from tasks.train.acceptance import simulated_acceptance_length  # noqa: E402
@@ -76,14 +78,33 @@ def mtbench_set(verifier: str, questions: str, work: Path, max_seq_len: int, ans
     prepared = prepare(verifier, [str(answers)], work / "mtbench", max_seq_len=max_seq_len)
     extracted = run_extraction(ExtractJob(prepared.path, prepared.fingerprint, verifier, str(work / "mtbench-hs"),
                                           settings={"reserve_disk_gb": 1}), in_process=True)
-    return prepared, extracted
+    return prepared, extracted, samples_by_category(Path(questions), answers, extracted.manifest)
+
+
+def samples_by_category(questions: Path, answers: Path, manifest: str) -> dict[str, list[int]]:
+    """The scoring set's extracted samples (manifest rows) of each MT-Bench category. An answers row
+    is `mtbench_answers.jsonl:<line>` (tasks/prepare/chat_data.py) and names its question by its user turn."""
+    category = {}
+    for line in questions.read_text().splitlines():
+        if line.strip():
+            q = json.loads(line)
+            category[q["turns"][0]] = q["category"]
+    rows = [json.loads(line) for line in answers.read_text().splitlines() if line.strip()]
+    groups = defaultdict(list)
+    for i, sample_id in enumerate(ShardReader(manifest).sample_ids):
+        groups[category[rows[int(sample_id.rsplit(":", 1)[1])]["messages"][0]["content"]]].append(i)
+    return dict(sorted(groups.items()))
 
 
 def score(draft: Path, scoring) -> dict:
-    prepared, extracted = scoring
+    """A draft's acceptance on the scoring set, over all of it and per MT-Bench category (replayed)."""
+    prepared, extracted, categories = scoring
     metrics = evaluate_draft(draft, extracted.manifest, prepared.path, ttt_steps=K)
+    by_category = {name: round(evaluate_draft(draft, extracted.manifest, prepared.path, ttt_steps=K, samples=samples)
+                               ["replayed_acceptance_length"], 4) for name, samples in categories.items()}
     return {"mtbench_simulated_acceptance_length": round(simulated_acceptance_length(metrics, K), 4),
             "mtbench_replayed_acceptance_length": round(metrics["replayed_acceptance_length"], 4),
+            "mtbench_replayed_by_category": by_category,
             **{k: round(v, 4) for k, v in metrics.items() if k.startswith(("cond_acc", "replayed_acceptance_"))}}
 
 
