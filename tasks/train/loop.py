@@ -133,7 +133,7 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
     if s.on_policy_steps >= total_steps:
         raise TrainDataError(f"train.on_policy_steps={s.on_policy_steps} leaves no supervised step of the "
                              f"{total_steps} this run trains: refinement needs a draft that already drafts")
-    on_policy_from = total_steps - s.on_policy_steps if s.on_policy_steps else total_steps
+    on_policy_from = total_steps - s.on_policy_steps  # total_steps, none, when 0
     on_policy_call = {**call, "loss_config": on_policy_loss_config(loss_config)}
 
     step, best = 0, {"step": -1, "acceptance": -1.0, "metrics": {}}
