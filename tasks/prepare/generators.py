@@ -24,9 +24,10 @@ class TransformersGenerator:
     at most max_seq_len) plus max_new_tokens positions, so short prompts do not read a cache sized
     for the longest, and only a few shapes exist: on a GPU, transformers compiles one decoding
     step (torch.compile with CUDA graphs) per cache length. Attention reads each KV head once
-    (tasks/prepare/decode_attention.py). Rows that finish early idle until their batch ends; sorting keeps
-    that small. On a GPU the number of rows is what fits all those caches in 70% of the free
-    memory (at most 1,024), unless `batch_size` says.
+    (tasks/prepare/decode_attention.py). Rows that finish early idle until their batch ends, unless
+    `refill` (greedy only): then finished rows take the next prompts (tasks/prepare/refill.py). On a
+    GPU the number of rows is what fits all those caches in 70% of the free memory (at most 1,024),
+    unless `batch_size` says.
     """
 
     name = "transformers"
@@ -34,25 +35,36 @@ class TransformersGenerator:
     def __init__(self, verifier_path: str, tokenizer, settings, max_prompt_len: int, trust_remote_code: bool,
                  attention: str = "sdpa_folded_gqa"):
         import torch
-        from transformers import AutoModelForCausalLM
 
         import tasks.prepare.decode_attention  # noqa: F401  (registers sdpa_folded_gqa)
+        from tasks.prepare.refill import unsupported_reason
 
         self.torch, self.tokenizer, self.settings = torch, tokenizer, settings
         self.cuda = torch.cuda.is_available()
         with Heartbeat(f"loading {Path(verifier_path).name} for generation (transformers)"):
-            self.model = AutoModelForCausalLM.from_pretrained(
+            self.model = generation_model_class(verifier_path, trust_remote_code).from_pretrained(
                 verifier_path, dtype=torch.bfloat16 if self.cuda else torch.float32,  # bf16 matmuls crawl on CPUs
                 device_map="auto" if self.cuda else "cpu", trust_remote_code=trust_remote_code).eval()
         if attention != "sdpa" and type(self.model).is_backend_compatible():  # remote code may not dispatch
-            self.model.set_attn_implementation(attention)
+            try:
+                self.model.set_attn_implementation(attention)
+            except ValueError as e:  # gpt-oss: its attention sinks need its own (eager) attention
+                log.info("transformers generator: %s keeps its %s attention (%s)", type(self.model).__name__,
+                         self.model.config._attn_implementation, str(e).split(".")[0])
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.max_prompt_len = max_prompt_len
         self.cache_lengths = sorted({self.cache_positions(w) for w in range(1, max_prompt_len + 1)})
         self.rows = settings.batch_size or (self._rows_that_fit(sum(self.cache_lengths)) if self.cuda else 16)
         self.caches: dict[tuple[int, int], object] = {}  # (rows, positions) -> StaticCache, kept for CUDA graphs
-        log.info("transformers generator: %d rows per batch, %s attention, static KV caches of %s positions",
-                 self.rows, self.model.config._attn_implementation, self.cache_lengths)
+        self.refill = settings.refill and not settings.temperature
+        if self.refill and (reason := unsupported_reason(self.model.config)):
+            log.warning("transformers generator: no refill for %s (%s): batches instead", Path(verifier_path).name,
+                        reason)
+            self.refill = False
+        self.decoders: dict[tuple[int, int], object] = {}  # (rows, positions), as the caches
+        log.info("transformers generator: %d rows per batch%s, %s attention, static KV caches of %s positions",
+                 self.rows, ", finished rows refilled" if self.refill else "",
+                 self.model.config._attn_implementation, self.cache_lengths)
 
     def _rows_that_fit(self, cache_positions: int) -> int:
         text = self.model.config.get_text_config()
@@ -77,6 +89,8 @@ class TransformersGenerator:
         if not prompts:
             return []
         limits = [min(n, self.settings.max_new_tokens) for n in limits or [self.settings.max_new_tokens] * len(prompts)]
+        if self.refill:
+            return self._refilled(prompts, limits)
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
         outputs: list[list[int]] = [[] for _ in prompts]
         device = self.model.get_input_embeddings().weight.device
@@ -109,6 +123,37 @@ class TransformersGenerator:
             for i, row in zip(rows_here, out[:, width:].tolist(), strict=False):
                 outputs[i] = [t for t in row if t != self.pad][: limits[i]]
         return outputs
+
+    def _refilled(self, prompts: list[list[int]], limits: list[int]) -> list[list[int]]:
+        """Greedy answers with finished rows refilled, over one cache sized for the widest prompt."""
+        from tasks.prepare.refill import RefillDecoder
+
+        rows = self.rows if self.cuda else min(self.rows, len(prompts))
+        shape = (rows, self.cache_positions(max(map(len, prompts))))
+        if shape not in self.decoders:
+            if not self.cuda:
+                self.decoders.clear()  # nothing is compiled on a CPU: keep one small cache
+            eos = self.model.generation_config.eos_token_id
+            stops = set(eos if isinstance(eos, list) else [] if eos is None else [eos])  # where generate stops
+            self.decoders[shape] = RefillDecoder(self.model, *shape, self.pad, stops, compile_step=self.cuda)
+        answers = self.decoders[shape](prompts, limits)
+        return [[t for t in answer if t != self.pad] for answer in answers]  # as generate's rows are read
+
+
+def generation_model_class(verifier_path: str, trust_remote_code: bool):
+    """The transformers auto class that builds the verifier with its LM head: a causal LM, or for a
+    multimodal wrapper (Kimi-K2.5, Mistral 3, Llava) the image-text-to-text model, which generates
+    from text alone."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+    )
+
+    config = type(AutoConfig.from_pretrained(verifier_path, trust_remote_code=trust_remote_code))
+    if config not in MODEL_FOR_CAUSAL_LM_MAPPING and config in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
 
 
 class VllmGenerator:

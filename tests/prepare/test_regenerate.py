@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
+from verifiers.families import BY_NAME, build
 
 from tasks.common.config import PipelineConfig, RegenerateSettings
 from tasks.prepare.dataset import load_prepared
@@ -178,3 +180,60 @@ def test_regeneration_with_vllm(smollm2, sharegpt, tmp_path):
     assert report["assistant_turns"] == len(rows)
     prepared = prepare(smollm2, [str(output)], tmp_path / "prep", max_seq_len=384)
     assert prepared.rows == len(rows)  # the regenerated conversations feed prepare directly
+
+
+@pytest.mark.parametrize("family", ["llama3", "gemma3", "gpt_oss", "deepseek_v3", "kimi_k25"])
+def test_refill_generates_the_greedy_answers_of_the_batches_for_every_attention_kind(family, smollm2, tmp_path):
+    """Continuous batching (tasks/prepare/refill.py) against the length-sorted batches, on tiny
+    random verifiers: plain GQA (Llama 3), sliding windows on most layers (Gemma 3) and on every
+    other layer with attention sinks under eager attention (gpt-oss), latent attention's cache (DeepSeek-V3),
+    and a multimodal wrapper (Kimi-K2.5). Prompts and answers pass the 32-token windows; per-prompt
+    limits end rows at different steps, so finished rows are refilled in several waves."""
+    from transformers import AutoTokenizer
+
+    from tasks.prepare.generators import TransformersGenerator
+
+    spec = BY_NAME[family]
+    verifier = str(build(spec, smollm2, tmp_path / family))
+    tokenizer = AutoTokenizer.from_pretrained(verifier, trust_remote_code=spec.remote_code_tokenizer)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, 40000, (n,), generator=generator).tolist() for n in (5, 50, 12, 30, 3, 70, 20)]
+    limits = [40, 12, 45, 3, 60, 25, 50]
+
+    def answers(refill: bool):
+        settings = RegenerateSettings(max_new_tokens=64, batch_size=3, refill=refill)
+        generate = TransformersGenerator(verifier, tokenizer, settings, 256, spec.remote_code_tokenizer)
+        return generate(prompts, limits), generate
+
+    batched, _ = answers(refill=False)
+    refilled, generate = answers(refill=True)
+    assert generate.refill and [len(a) for a in refilled] == limits  # random weights: no answer stops early
+    assert refilled == batched
+    assert [decoder.waves for decoder in generate.decoders.values()] == [5]  # 3 rows, 7 prompts, one per finish
+
+
+def test_refill_regenerates_the_same_conversations_and_knows_what_it_cannot_decode(smollm2, sharegpt, tmp_path):
+    """Through the stage on SmolLM2, whose answers end at their end-of-turn at different lengths:
+    the same regenerated file with refill as without. Models whose layers keep no key/value cache, or
+    whose attention takes no dense mask, are named and keep the batches."""
+    from transformers import Qwen3NextConfig
+
+    from tasks.prepare.refill import unsupported_reason
+
+    outputs = {}
+    for refill in (False, True):
+        settings = RegenerateSettings(enabled=True, backend="transformers", max_new_tokens=40, max_turns=1,
+                                      batch_size=2, refill=refill)
+        path = regenerate(RegenerateJob([sharegpt], 6, smollm2, str(tmp_path / str(refill)), 384,
+                                        settings.model_dump()), in_process=True)
+        outputs[refill] = path.read_text()
+    assert outputs[True] == outputs[False] and len(outputs[True].splitlines()) >= 5
+    answers = [json.loads(line)["messages"][-1] for line in outputs[True].splitlines()]
+    assert any("unfinished" not in a for a in answers) and any(a.get("unfinished") for a in answers)  # both kinds
+
+    hybrid = Qwen3NextConfig(num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2)
+    hybrid._attn_implementation = "sdpa"
+    assert "linear_attention" in unsupported_reason(hybrid)
+    flash = Qwen3NextConfig(num_hidden_layers=2, layer_types=["full_attention"] * 2)
+    flash._attn_implementation = "flash_attention_2"
+    assert "flash_attention_2" in unsupported_reason(flash)
