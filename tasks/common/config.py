@@ -79,9 +79,15 @@ class SynthesizeSettings(Section):
                       "each batch): the same settings write the same prompts.")
     chunk_size: int = Field(1024, gt=0, description="Prompts sampled per chunk, each appended to disk when done "
                             "(a crash costs at most one chunk).")
+    system_prompts: list[str] = Field(
+        default_factory=list, description="System turns that steer what the verifier writes (Magpie's "
+        "domain-specific system prompts, e.g. one about mathematics), taken in turn: chunk c is sampled under "
+        "system_prompts[c % n]. The prompts kept are user turns alone: regeneration answers them under the "
+        "template's default, as they will be served. Empty: the template's default system turn only.")
 
     def output_settings(self) -> dict:
-        return self.model_dump(exclude={"chunk_size"})
+        # left out while empty: syntheses written before the setting existed keep their fingerprints
+        return self.model_dump(exclude={"chunk_size"} | (set() if self.system_prompts else {"system_prompts"}))
 
 
 class DataSettings(Section):

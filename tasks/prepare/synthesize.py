@@ -5,6 +5,10 @@ An instruction-tuned model given only the beginning of a user turn under its own
 thing it saw there in its tuning data. Sampled many times, these prompts are as broad as that data,
 which is what a draft for this verifier will serve; regeneration then answers them
 (tasks/prepare/regenerate.py), so the draft trains on the verifier's own prompts and answers.
+Left to itself a small verifier writes a narrow mix (SmolLM2-135M: 28% of its prompts begin "Can
+you"; the draft trained on them accepts least on mathematics and science: docs/BENCHMARKS.md), so
+`system_prompts` can steer chunks in turn with a system turn about a domain (as Magpie does for
+its domain sets); only the user turn is kept.
 
 Prompt i is sampled with seed `seed + i` (the transformers generator seeds each batch instead), in
 chunks of `chunk_size`. Each chunk's outcomes (the prompt, or why it is left out) are appended to
@@ -67,17 +71,29 @@ def synthesize_fingerprint(settings, verifier_fp: str) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
-def pre_query_ids(tokenizer) -> list[int]:
+def pre_query_ids(tokenizer, system: str | None = None) -> list[int]:
     """The verifier's chat template for one user turn, up to where the user's words begin (its
-    default system turn included), as token ids."""
+    default system turn included, or `system` as the system turn), as token ids."""
     from tasks.prepare.chat_template import for_template, render
 
-    text = render(tokenizer, for_template(tokenizer, [{"role": "user", "content": MARKER}]))  # content parts where
-    # the template takes those (Llava's)
+    messages = [*([{"role": "system", "content": system}] if system else []), {"role": "user", "content": MARKER}]
+    try:
+        text = render(tokenizer, for_template(tokenizer, messages))  # content parts where the template takes those
+    except Exception as e:  # jinja raises what the template raises: one that refuses a system turn
+        raise SynthesisError(f"the verifier's chat template refuses a system turn ({e}): data.synthesize."
+                             "system_prompts cannot steer it") from e
     if MARKER not in text:
         raise SynthesisError("the verifier's chat template does not render a user turn's text as given, so where a "
                              "user prompt begins cannot be found; data.synthesize needs a template that does")
+    if system and system not in text:
+        raise SynthesisError("the verifier's chat template leaves out the system turn, so data.synthesize."
+                             "system_prompts cannot steer it")
     return tokenizer(text[: text.index(MARKER)], add_special_tokens=False)["input_ids"]
+
+
+def chunk_prefixes(tokenizer, settings) -> list[list[int]]:
+    """The text each chunk continues, in turn: one per system prompt, or the template's default."""
+    return [pre_query_ids(tokenizer, system) for system in settings.system_prompts] or [pre_query_ids(tokenizer)]
 
 
 def comparable(text: str) -> str:
@@ -112,9 +128,11 @@ def chunk_ids(chunk: int, chunk_size: int) -> list[str]:
     return [str(i) for i in range(chunk * chunk_size, (chunk + 1) * chunk_size)]
 
 
-def sample_chunk(chunk: int, generate, tokenizer, prefix: list[int], settings, stops: frozenset[int]) -> list[dict]:
+def sample_chunk(chunk: int, generate, tokenizer, prefixes: list[list[int]], settings,
+                 stops: frozenset[int]) -> list[dict]:
     """Chunk `chunk`'s prompts, each as {"id", "text", "tokens"} or {"id", "reason", "tokens"}."""
     ids = chunk_ids(chunk, settings.chunk_size)
+    prefix = prefixes[chunk % len(prefixes)]
     outputs = generate([prefix] * len(ids), [settings.max_prompt_tokens] * len(ids),
                        seeds=[settings.seed + int(i) for i in ids])
     records = []
@@ -148,18 +166,19 @@ def synthesize_rank(job: SynthesizeJob, rank: int = 0, world_size: int = 1,
     if len(kept) >= s.prompts or chunk >= budget:
         return
     tokenizer = load_tokenizer(job.verifier_path, job.trust_remote_code)
-    prefix = pre_query_ids(tokenizer)
+    prefixes = chunk_prefixes(tokenizer, s)
     settings = RegenerateSettings.model_validate({**job.generation, "temperature": s.temperature,
                                                   "max_new_tokens": s.max_prompt_tokens})
-    generate = make_generator(job.verifier_path, tokenizer, settings, len(prefix), job.trust_remote_code)
+    generate = make_generator(job.verifier_path, tokenizer, settings, max(map(len, prefixes)), job.trust_remote_code)
     stops = end_of_turn_ids(job.verifier_path, tokenizer)  # what ends a prompt the verifier finished
-    log.info("synthesize: sampling prompts after %r with %s", tokenizer.decode(prefix), generate.name)
+    log.info("synthesize: sampling prompts after %s with %s", " / ".join(repr(tokenizer.decode(p)) for p in prefixes),
+             generate.name)
     progress = Progress("synthesize", s.prompts, "prompt", callback, done=len(kept))
     tokens, seconds = 0, 0.0
     while len(kept) < s.prompts and chunk < budget:
         t0 = time.monotonic()
         with Heartbeat(f"synthesize: chunk {chunk + 1} ({s.chunk_size} prompts sampled)"):
-            records = sample_chunk(chunk, generate, tokenizer, prefix, s, stops)
+            records = sample_chunk(chunk, generate, tokenizer, prefixes, s, stops)
         seconds += time.monotonic() - t0
         tokens += sum(r["tokens"] for r in records)
         parts.append(*records)
@@ -194,6 +213,9 @@ def write_synthesized(job: SynthesizeJob) -> Path:
     report = {"prompts": len(kept), "asked": s.prompts, "sampled": sampled, "left_out": dict(left_out),
               "generated_tokens": sum(done[str(i)]["tokens"] for i in range(chunk * s.chunk_size)),
               "examples": [r["text"][:300] for r in kept[:5]], "settings": s.model_dump()}
+    if s.system_prompts:  # how many kept prompts each system prompt wrote (chunk c: system prompt c % n)
+        written_by = Counter(int(r["id"]) // s.chunk_size % len(s.system_prompts) for r in kept)
+        report["kept_by_system_prompt"] = [written_by[k] for k in range(len(s.system_prompts))]
     (out_dir / "report.json").write_text(json.dumps(report, indent=1))
     log.info("synthesize: kept %d prompts of the first %d sampled (left out: %s)", len(kept), sampled,
              dict(left_out) or "none")

@@ -79,3 +79,40 @@ def test_synthesis_resumes_after_a_kill_reports_what_it_kept_and_regeneration_an
     conversations = [json.loads(line)["messages"] for line in answered.read_text().splitlines()]
     assert [[m["role"] for m in c] for c in conversations] == [["user", "assistant"]] * 5
     assert [c[0]["content"] for c in conversations] == texts and all(c[1]["content"] for c in conversations)
+
+
+def test_system_prompts_steer_chunks_in_turn_and_only_the_user_turn_is_kept(smollm2, tmp_path):
+    """Chunk c is sampled after system prompt c % n (its text in the template's system turn, the
+    default one replaced); the kept rows are user turns alone, the report counts what each system
+    prompt wrote, and the fingerprint of a synthesis without system prompts is the one it had before
+    the setting existed."""
+    from transformers import AutoTokenizer
+
+    from tasks.prepare.synthesize import chunk_prefixes, synthesize_fingerprint
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    systems = ["You are a mathematics tutor. Users ask you to solve algebra and geometry problems.",
+               "You are a chemistry teacher. Users ask you about molecules and reactions."]
+    settings = SynthesizeSettings(prompts=4, chunk_size=3, max_prompt_tokens=40, system_prompts=systems)
+    prefixes = [tokenizer.decode(p) for p in chunk_prefixes(tokenizer, settings)]
+    assert [systems[k] in prefixes[k] for k in range(2)] == [True, True]
+    assert all(p.endswith("<|im_start|>user\n") and "SmolLM" not in p for p in prefixes)  # the default replaced
+
+    generation = RegenerateSettings(enabled=True, backend="transformers", batch_size=3)
+    steered = synthesize(SynthesizeJob(smollm2, str(tmp_path / "steered"), settings.model_dump(),
+                                       generation.model_dump()), in_process=True)
+    plain = synthesize(SynthesizeJob(smollm2, str(tmp_path / "plain"), {**settings.model_dump(), "system_prompts": []},
+                                     generation.model_dump()), in_process=True)
+    rows = [json.loads(line) for line in steered.read_text().splitlines()]
+    assert [[m["role"] for m in row["messages"]] for row in rows] == [["user"]] * 4
+    assert steered.read_text() != plain.read_text()  # the same seeds, other text before them
+    report = json.loads((tmp_path / "steered" / "report.json").read_text())
+    kept_ids = [int(row["id"].removeprefix("synthesized-")) for row in rows]
+    assert report["kept_by_system_prompt"] == [sum(i // 3 % 2 == k for i in kept_ids) for k in range(2)]
+    assert sum(report["kept_by_system_prompt"]) == 4 and "kept_by_system_prompt" not in json.loads(
+        (tmp_path / "plain" / "report.json").read_text())
+
+    unsteered = SynthesizeSettings(prompts=4)
+    assert "system_prompts" not in unsteered.output_settings()
+    assert synthesize_fingerprint(unsteered, "v") != synthesize_fingerprint(settings.model_copy(
+        update={"prompts": 4, "chunk_size": 1024, "max_prompt_tokens": 256}), "v")
