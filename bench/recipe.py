@@ -71,10 +71,15 @@ def validation_curve(train_dir: Path) -> list[tuple[int, float]]:
 def mtbench_set(verifier: str, questions: str, work: Path, max_seq_len: int, answer_tokens: int,
                 reuse_answers: bool = False):
     """The verifier's greedy MT-Bench answers, prepared and extracted: the scoring set (`reuse_answers`:
-    the answers an earlier call wrote under `work`, if any)."""
-    answers = work / "mtbench_answers.jsonl"
-    if not (reuse_answers and answers.exists()):
+    the answers an earlier call wrote under `work` for the same verifier, questions and length, if any)."""
+    from tasks.common.verifier import verifier_fingerprint
+
+    answers, made_by = work / "mtbench_answers.jsonl", work / "mtbench_answers.made_by.json"
+    wanted = {"verifier": verifier_fingerprint(verifier), "questions": Path(questions).read_text(),
+              "answer_tokens": answer_tokens}
+    if not (reuse_answers and answers.exists() and made_by.exists() and json.loads(made_by.read_text()) == wanted):
         answers = answer_mtbench(verifier, questions, work, answer_tokens)
+        made_by.write_text(json.dumps(wanted))
     prepared = prepare(verifier, [str(answers)], work / "mtbench", max_seq_len=max_seq_len)
     extracted = run_extraction(ExtractJob(prepared.path, prepared.fingerprint, verifier, str(work / "mtbench-hs"),
                                           settings={"reserve_disk_gb": 1}), in_process=True)
