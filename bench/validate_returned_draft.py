@@ -63,7 +63,7 @@ def main() -> None:
     work = a.work / returned.resolve().name  # the returned folder may be read-only
     draft = reassemble(returned, work / "draft", verifier)
     scored = returned / "acceptance.json"  # bench/recipe.py's MT-Bench scores of the draft, when it ran
-    scores = json.loads(scored.read_text())["ours"] if scored.exists() else {}
+    scores = json.loads(scored.read_text()).get("ours", {}) if scored.exists() else {}  # {}: returned unscored
     simulated, replayed = scores.get("simulated_acceptance_length"), scores.get("replayed_acceptance_length")
     settings = ValidationSettings(prompts=str(ensure_asset("mt-bench")), max_prompts=a.prompts,
                                   max_new_tokens=a.max_new_tokens)
