@@ -203,7 +203,8 @@ class TrainSettings(Section):
         0, ge=0, description="On-policy refinement: the last N optimizer steps train only on the states the draft's "
         "own greedy drafting reaches (each batch is drafted by the current draft and replayed as speculative decoding "
         "over the verifier's answer; the loss keeps each draft's steps up to its first rejected token: "
-        "tasks/train/on_policy.py). Their logged train loss is that weighted loss. 0: supervised throughout.")
+        "tasks/train/on_policy.py). Their logged train loss is that weighted loss. 0: supervised throughout. Measured: "
+        "no gain over as many supervised steps (docs/BENCHMARKS.md, seventh measurement).")
     num_layers: int = Field(1, gt=0, description="Draft decoder layers (vLLM serves 1).")
     norm_before_residual: bool = True
     # EAGLE-3.1 (fc_norm and norm_output) by default: on the preset's data at 1,500 steps it gave +2.7%

@@ -20,6 +20,12 @@ only where the steps before it were accepted.
 What it does not cover: sampled verification (temperature > 0), where accepted draft tokens can
 differ from the verifier's greedy ones and the verifier's states on those paths are not stored; and
 data whose answers the verifier did not write, where its greedy path is not the stored one.
+
+Measured (2026-12-05, docs/BENCHMARKS.md, seventh measurement): the last 2,000 of 5,693 steps
+on-policy gave the supervised draft's acceptance (vLLM 2.498 against 2.497), at 1.5x the step time.
+In this exact form the rollout is the supervised data itself, so the refinement only re-weighs
+positions supervised training already trains; what Draft-OPD adds (the verifier's verdicts on the
+draft's own divergent continuations) needs a verifier pass this form leaves out. Off by default.
 """
 
 from __future__ import annotations
