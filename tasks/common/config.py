@@ -53,8 +53,9 @@ class RegenerateSettings(Section):
         "spread over them). Default: extract.tensor_parallel_size, the verifier's size on this hardware.")
     refill: bool = Field(
         False, description="transformers backend, greedy: continuous batching (tasks/prepare/refill.py): a row "
-        "whose answer ends takes the next prompt instead of idling until its batch's longest answer ends. The "
-        "same answers; off by default until measured on a GPU.")
+        "whose answer ends takes the next prompt instead of idling until its batch's longest answer ends, and with "
+        "several turns a conversation's next turn is queued as soon as its answer ends (no rounds). The same "
+        "answers; off by default until measured on a GPU.")
 
     def output_settings(self) -> dict:
         """The settings that decide the regenerated answers, for fingerprints and cache keys; the rest

@@ -126,18 +126,37 @@ class TransformersGenerator:
 
     def _refilled(self, prompts: list[list[int]], limits: list[int]) -> list[list[int]]:
         """Greedy answers with finished rows refilled, over one cache sized for the widest prompt."""
-        from tasks.prepare.refill import RefillDecoder
+        rows = self.rows if self.cuda else min(self.rows, len(prompts))
+        answers = self._decoder(rows, self.cache_positions(max(map(len, prompts))))(prompts, limits)
+        return [self._read(answer) for answer in answers]
+
+    def conversations(self, prompts: list[list[int]], limits: list[int], follow_up) -> None:
+        """Refill only: greedy answers where each finished answer may queue its conversation's next
+        prompt at once (`follow_up(index, tokens) -> (prompt, limit) | None`, the tokens as
+        __call__ returns them), so later turns do not wait for a round of every conversation.
+        Over one cache sized for the longest prompt this generator takes."""
+        def next_turn(i: int, answer: list[int]):
+            after = follow_up(i, self._read(answer))
+            return after and (after[0], min(after[1], self.settings.max_new_tokens))
 
         rows = self.rows if self.cuda else min(self.rows, len(prompts))
-        shape = (rows, self.cache_positions(max(map(len, prompts))))
-        if shape not in self.decoders:
+        self._decoder(rows, self.cache_positions(self.max_prompt_len))(
+            prompts, [min(n, self.settings.max_new_tokens) for n in limits], next_turn)
+
+    def _decoder(self, rows: int, positions: int):
+        from tasks.prepare.refill import RefillDecoder
+
+        if (rows, positions) not in self.decoders:
             if not self.cuda:
                 self.decoders.clear()  # nothing is compiled on a CPU: keep one small cache
             eos = self.model.generation_config.eos_token_id
             stops = set(eos if isinstance(eos, list) else [] if eos is None else [eos])  # where generate stops
-            self.decoders[shape] = RefillDecoder(self.model, *shape, self.pad, stops, compile_step=self.cuda)
-        answers = self.decoders[shape](prompts, limits)
-        return [[t for t in answer if t != self.pad] for answer in answers]  # as generate's rows are read
+            self.decoders[rows, positions] = RefillDecoder(self.model, rows, positions, self.pad, stops,
+                                                           compile_step=self.cuda)
+        return self.decoders[rows, positions]
+
+    def _read(self, answer: list[int]) -> list[int]:
+        return [t for t in answer if t != self.pad]  # as generate's rows are read
 
 
 def generation_model_class(verifier_path: str, trust_remote_code: bool):

@@ -157,8 +157,12 @@ class RefillDecoder:
             self.cache.prefill_rows = None
         return out.logits[:, -1].argmax(-1)
 
-    def __call__(self, prompts: list[list[int]], limits: list[int]) -> list[list[int]]:
-        """Each prompt's generated tokens: up to its limit, its stop token included."""
+    def __call__(self, prompts: list[list[int]], limits: list[int], follow_up=None) -> list[list[int]]:
+        """Each prompt's generated tokens: up to its limit, its stop token included. `follow_up(i,
+        tokens) -> (prompt, limit) | None`, called as prompt i's answer ends, may give a next prompt
+        (a conversation's next turn): it is prompt len(prompts), len(prompts) + 1, ... in the order
+        they come, and is taken before the rest, so its conversation goes on at once."""
+        prompts, limits = list(prompts), list(limits)
         queue = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # pop() takes the longest left
         outputs: list[list[int]] = [[] for _ in prompts]
         holder = [-1] * self.rows  # the prompt each row answers; -1: free
@@ -172,14 +176,24 @@ class RefillDecoder:
             outputs[i].append(token)
             if token in self.stops or len(outputs[i]) >= limits[i]:
                 holder[r] = -1
+                after = follow_up(i, outputs[i]) if follow_up else None
+                if after:
+                    prompt, limit = after
+                    if len(prompt) + limit > self.positions:
+                        raise ValueError(f"a follow-up prompt of {len(prompt)} tokens and {limit} new ones does not "
+                                         f"fit the cache's {self.positions} positions")
+                    prompts.append(prompt)
+                    limits.append(limit)
+                    outputs.append([])
+                    queue.append(len(prompts) - 1)
 
         with torch.inference_mode():
             while True:
                 free = [r for r in range(self.rows) if holder[r] < 0]
                 if queue and (len(free) >= self.refill_at or len(free) == self.rows):
                     self.waves += 1
-                    for rows, group in self._groups(free, [queue.pop() for _ in range(min(len(free), len(queue)))],
-                                                    prompts):
+                    taken = [queue.pop() for _ in range(min(len(free), len(queue)))]
+                    for rows, group in self._groups(free[: len(taken)], taken, prompts):
                         index = torch.tensor(rows, device=self.device)
                         width = max(len(prompts[i]) for i in group)
                         firsts = self._prefill(rows, [prompts[i] for i in group])
@@ -203,6 +217,7 @@ class RefillDecoder:
     @staticmethod
     def _groups(rows: list[int], taken: list[int], prompts: list[list[int]]):
         """(rows, prompts) per prefill forward: at most PREFILL_TOKENS padded tokens each (longest first)."""
+        taken = sorted(taken, key=lambda i: -len(prompts[i]))
         start = 0
         while start < len(taken):
             end = start + max(1, PREFILL_TOKENS // len(prompts[taken[start]]))

@@ -2,7 +2,9 @@
 drafts: the draft learns what the verifier says, not what another model said).
 
 Turn by turn: assistant turn j of every conversation in a chunk is generated from the
-regenerated conversation so far, all conversations batched together. Once a conversation's
+regenerated conversation so far, all conversations batched together; with the transformers
+generator's refill (`refill: true`), a conversation's next turn is queued as soon as its answer
+ends instead of waiting for the round (the same answers). Once a conversation's
 prompt passes `max_seq_len`, its remaining turns are cut (prepare would truncate them anyway), and no
 answer is generated much past what `max_seq_len` keeps of it: a later turn's long prompt leaves
 its answer little room, and decoding tokens that prepare throws away would cost the most there.
@@ -92,56 +94,84 @@ def regenerate_fingerprint(job: RegenerateJob, sources_fp: str, verifier_fp: str
 def regenerate_chunk(conversations: list[tuple[str, list[dict]]], generate, tokenizer, max_seq_len: int,
                      report: RegenerateReport, settings, stops: frozenset[int] = frozenset()
                      ) -> tuple[list[tuple[str, list[dict]]], dict[str, str]]:
-    """The conversations with their assistant turns rewritten, turn by turn across the chunk (at
-    most `settings.max_turns` of them; later turns are dropped), and {row id: reason} of those that
-    failed. An answer cut at its token limit (it did not end with one of `stops`) is marked
-    `unfinished`: prepare then supervises no end-of-turn after it."""
+    """The conversations with their assistant turns rewritten, each from the regenerated conversation
+    so far (at most `settings.max_turns` of them; later turns are dropped), and {row id: reason} of
+    those that failed. An answer cut at its token limit (it did not end with one of `stops`) is
+    marked `unfinished`: prepare then supervises no end-of-turn after it.
+
+    Turns go in rounds across the chunk (turn j of every conversation, then turn j + 1), unless the
+    generator refills finished rows (`conversations`): then a conversation's next turn is queued as
+    soon as its answer ends. The answers are the same either way."""
     done: dict[str, list[dict]] = {row_id: [] for row_id, _ in conversations}
     pending = {row_id: list(messages) for row_id, messages in conversations}
     failed: dict[str, str] = {}
-    while pending:
-        batch, prompts = [], []
-        for row_id, rest in list(pending.items()):
-            if settings.max_turns and sum(m["role"] == "assistant" for m in done[row_id]) >= settings.max_turns:
-                del pending[row_id]  # the conversation ends with its last regenerated answer
-                continue
-            # copy the turns before the next assistant turn; the assistant turn itself is regenerated
-            while rest and rest[0]["role"] != "assistant":
-                done[row_id].append(rest.pop(0))
-            if not rest:
-                del pending[row_id]
-                continue
-            prompt = tokenizer.apply_chat_template(for_template(tokenizer, done[row_id]), add_generation_prompt=True,
-                                                   tokenize=True)["input_ids"]  # rendered as prepare renders it
-            if len(prompt) >= max_seq_len:  # nothing after this point survives prepare's truncation
-                del pending[row_id]
-                if not any(m["role"] == "assistant" for m in done[row_id]):
-                    failed[row_id] = "prompt_too_long"
-                continue
-            batch.append(row_id)
-            prompts.append(prompt)
-        if not batch:
-            break
-        t0 = time.monotonic()
+    limits: dict[str, int] = {}
+
+    def next_prompt(row_id: str) -> list[int] | None:
+        """The conversation's prompt for its next assistant turn, or None: it is over."""
+        rest = pending[row_id]
+        if settings.max_turns and sum(m["role"] == "assistant" for m in done[row_id]) >= settings.max_turns:
+            del pending[row_id]  # the conversation ends with its last regenerated answer
+            return None
+        # copy the turns before the next assistant turn; the assistant turn itself is regenerated
+        while rest and rest[0]["role"] != "assistant":
+            done[row_id].append(rest.pop(0))
+        if not rest:
+            del pending[row_id]
+            return None
+        prompt = tokenizer.apply_chat_template(for_template(tokenizer, done[row_id]), add_generation_prompt=True,
+                                               tokenize=True)["input_ids"]  # rendered as prepare renders it
+        if len(prompt) >= max_seq_len:  # nothing after this point survives prepare's truncation
+            del pending[row_id]
+            if not any(m["role"] == "assistant" for m in done[row_id]):
+                failed[row_id] = "prompt_too_long"
+            return None
         # no answer longer than what prepare keeps of it (max_seq_len, and OVERRUN tokens more so that
         # the re-tokenized text still fills max_seq_len)
-        limits = [min(settings.max_new_tokens, max_seq_len - len(p) + OVERRUN) for p in prompts]
-        outputs = generate(prompts, limits)
+        limits[row_id] = min(settings.max_new_tokens, max_seq_len - len(prompt) + OVERRUN)
+        return prompt
+
+    def take_answer(row_id: str, tokens: list[int]) -> None:
+        text = tokenizer.decode(tokens, skip_special_tokens=True).strip()
+        pending[row_id].pop(0)
+        report.generated_tokens += len(tokens)
+        if not text:
+            failed[row_id] = "empty_generation"
+            del pending[row_id]
+            return
+        answer = {"role": "assistant", "content": text}
+        if len(tokens) >= limits[row_id] and tokens[-1] not in stops:
+            answer["unfinished"] = True
+            report.unfinished += 1
+        done[row_id].append(answer)
+        report.assistant_turns += 1
+
+    if getattr(generate, "refill", False):  # the time inside it includes rendering the next turns' prompts
+        t0 = time.monotonic()
+        first = {row_id: p for row_id in list(pending) if (p := next_prompt(row_id)) is not None}
+        keys = list(first)  # prompt i of the generator is conversation keys[i]'s turn
+
+        def follow_up(i: int, tokens: list[int]):
+            take_answer(keys[i], tokens)
+            prompt = next_prompt(keys[i]) if keys[i] in pending else None
+            if prompt is None:
+                return None
+            keys.append(keys[i])
+            return prompt, limits[keys[i]]
+
+        if first:
+            generate.conversations(list(first.values()), [limits[k] for k in first], follow_up)
         report.generate_s += time.monotonic() - t0
-        for row_id, tokens, limit in zip(batch, outputs, limits, strict=True):
-            text = tokenizer.decode(tokens, skip_special_tokens=True).strip()
-            pending[row_id].pop(0)
-            report.generated_tokens += len(tokens)
-            if not text:
-                failed[row_id] = "empty_generation"
-                del pending[row_id]
-                continue
-            answer = {"role": "assistant", "content": text}
-            if len(tokens) >= limit and tokens[-1] not in stops:
-                answer["unfinished"] = True
-                report.unfinished += 1
-            done[row_id].append(answer)
-            report.assistant_turns += 1
+    else:
+        while pending:
+            batch = [(row_id, p) for row_id in list(pending) if (p := next_prompt(row_id)) is not None]
+            if not batch:
+                break
+            t0 = time.monotonic()
+            outputs = generate([p for _, p in batch], [limits[row_id] for row_id, _ in batch])
+            report.generate_s += time.monotonic() - t0
+            for (row_id, _), tokens in zip(batch, outputs, strict=True):
+                take_answer(row_id, tokens)
     for row_id, messages in done.items():
         if row_id not in failed and not any(m["role"] == "assistant" for m in messages):
             failed[row_id] = "no_assistant_turn"

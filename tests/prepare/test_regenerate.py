@@ -213,22 +213,29 @@ def test_refill_generates_the_greedy_answers_of_the_batches_for_every_attention_
 
 
 def test_refill_regenerates_the_same_conversations_and_knows_what_it_cannot_decode(smollm2, sharegpt, tmp_path):
-    """Through the stage on SmolLM2, whose answers end at their end-of-turn at different lengths:
-    the same regenerated file with refill as without. Models whose layers keep no key/value cache, or
-    whose attention takes no dense mask, are named and keep the batches."""
+    """Through the stage on SmolLM2, whose answers end at their end-of-turn at different lengths, up
+    to two turns a conversation: the same regenerated file and counts with refill (each
+    conversation's next turn queued as its answer ends) as with rounds of batches. Models whose
+    layers keep no key/value cache, or whose attention takes no dense mask, are named and keep the
+    batches."""
     from transformers import Qwen3NextConfig
 
     from tasks.prepare.refill import unsupported_reason
 
-    outputs = {}
+    outputs, reports = {}, {}
     for refill in (False, True):
-        settings = RegenerateSettings(enabled=True, backend="transformers", max_new_tokens=40, max_turns=1,
+        settings = RegenerateSettings(enabled=True, backend="transformers", max_new_tokens=40, max_turns=2,
                                       batch_size=2, refill=refill)
         path = regenerate(RegenerateJob([sharegpt], 6, smollm2, str(tmp_path / str(refill)), 384,
                                         settings.model_dump()), in_process=True)
         outputs[refill] = path.read_text()
-    assert outputs[True] == outputs[False] and len(outputs[True].splitlines()) >= 5
-    answers = [json.loads(line)["messages"][-1] for line in outputs[True].splitlines()]
+        report = json.loads((tmp_path / str(refill) / "report.json").read_text())
+        reports[refill] = {k: report[k] for k in ("regenerated", "failed", "assistant_turns", "unfinished",
+                                                  "generated_tokens")}
+    assert outputs[True] == outputs[False] and reports[True] == reports[False]
+    conversations = [json.loads(line)["messages"] for line in outputs[True].splitlines()]
+    answers = [m for c in conversations for m in c if m["role"] == "assistant"]
+    assert len(conversations) >= 5 and max(sum(m["role"] == "assistant" for m in c) for c in conversations) == 2
     assert any("unfinished" not in a for a in answers) and any(a.get("unfinished") for a in answers)  # both kinds
 
     hybrid = Qwen3NextConfig(num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2)
