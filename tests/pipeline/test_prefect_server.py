@@ -6,6 +6,7 @@ import json
 import time
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 import yaml
@@ -53,7 +54,10 @@ def states(stack: PrefectStack, flow_run_id: str) -> dict[str, str]:
 def wait_final(stack: PrefectStack, flow_run_id: str) -> str:
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
-        run = stack.post("/flow_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}}})[0]
+        try:
+            run = stack.post("/flow_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}}})[0]
+        except httpx.TimeoutException:  # the server's sqlite stalls for up to a minute under a run's writes
+            continue  # ("database is locked" in its log): no answer yet, so ask again
         if run["state_type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
             return run["state_name"]
         time.sleep(1)
