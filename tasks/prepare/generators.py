@@ -96,9 +96,7 @@ class TransformersGenerator:
         device = self.model.get_input_embeddings().weight.device
         sampling = {"do_sample": True, "temperature": self.settings.temperature} if self.settings.temperature else {
             "do_sample": False}
-        # On a GPU every batch has the same rows (the last one filled up), so the decoding step is
-        # compiled once per cache length; on a CPU nothing is compiled and small calls stay small.
-        rows = self.rows if self.cuda else min(self.rows, len(prompts))
+        rows = self._rows_for(len(prompts))
         for start in range(0, len(order), rows):
             rows_here = order[start: start + rows]
             batch = [prompts[i] for i in rows_here]
@@ -121,12 +119,12 @@ class TransformersGenerator:
                                           pad_token_id=self.pad, past_key_values=cache,
                                           max_new_tokens=max(limits[i] for i in rows_here), **sampling)
             for i, row in zip(rows_here, out[:, width:].tolist(), strict=False):
-                outputs[i] = [t for t in row if t != self.pad][: limits[i]]
+                outputs[i] = self._read(row)[: limits[i]]
         return outputs
 
     def _refilled(self, prompts: list[list[int]], limits: list[int]) -> list[list[int]]:
         """Greedy answers with finished rows refilled, over one cache sized for the widest prompt."""
-        rows = self.rows if self.cuda else min(self.rows, len(prompts))
+        rows = self._rows_for(len(prompts))
         answers = self._decoder(rows, self.cache_positions(max(map(len, prompts))))(prompts, limits)
         return [self._read(answer) for answer in answers]
 
@@ -139,7 +137,7 @@ class TransformersGenerator:
             after = follow_up(i, self._read(answer))
             return after and (after[0], min(after[1], self.settings.max_new_tokens))
 
-        rows = self.rows if self.cuda else min(self.rows, len(prompts))
+        rows = self._rows_for(len(prompts))
         self._decoder(rows, self.cache_positions(self.max_prompt_len))(
             prompts, [min(n, self.settings.max_new_tokens) for n in limits], next_turn)
 
@@ -156,7 +154,12 @@ class TransformersGenerator:
         return self.decoders[rows, positions]
 
     def _read(self, answer: list[int]) -> list[int]:
-        return [t for t in answer if t != self.pad]  # as generate's rows are read
+        return [t for t in answer if t != self.pad]  # generate pads the rows that ended before the others
+
+    def _rows_for(self, prompts: int) -> int:
+        """On a GPU every batch has the same rows (the last one filled up), so a decoding step is
+        compiled once per cache size; on a CPU nothing is compiled and small calls stay small."""
+        return self.rows if self.cuda else min(self.rows, prompts)
 
 
 def generation_model_class(verifier_path: str, trust_remote_code: bool):
