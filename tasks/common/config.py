@@ -152,6 +152,15 @@ class ExtractSettings(Section):
     workers: int = Field(1, gt=0, description="Data-parallel extraction processes (one per GPU) on this machine; "
                          "with cluster.executor 'ray', cluster.ranks instead.")
     reserve_disk_gb: float = Field(5.0, ge=0, description="Refuse to start unless this much disk stays free.")
+    mode: Literal["offline", "stream"] = Field(
+        "offline",
+        description="'offline': every shard is extracted before training starts, and kept. 'stream': the verifier "
+        "extracts while the draft trains, in training's order, and at most stream_window shards (besides the "
+        "validation shards) are on disk; each epoch extracts its shards again, and none are left for a later run "
+        "(docs/STREAMING.md). Needs train.shuffle_block_shards; the draft is the one offline gives.")
+    stream_window: int = Field(
+        8, ge=2, description="mode 'stream': shards on disk at most, besides the validation shards; at least 2 x "
+        "train.shuffle_block_shards (the block being trained and the next, extracted meanwhile).")
     verify: Literal["full", "quick"] = Field(
         "full",
         description="After extraction: 'full' re-reads every byte against its checksum; 'quick' trusts shards "
@@ -181,7 +190,8 @@ class ExtractSettings(Section):
         finished shards are reused by fingerprint (verifier, layers, dtype, samples) whatever the backend,
         device, batch size, packing, compilation, number of ranks, verification or disk reserve."""
         return self.model_dump(exclude={"backend", "device", "batch_tokens", "packing", "compile", "tensor_parallel_size",
-                                        "gpu_memory_utilization", "workers", "reserve_disk_gb", "verify"})
+                                        "gpu_memory_utilization", "workers", "reserve_disk_gb", "verify", "mode",
+                                        "stream_window"})
 
 
 class VocabSettings(Section):
@@ -319,12 +329,29 @@ class PipelineConfig(Section):
                 f"extract.batch_tokens ({self.extract.batch_tokens}) must be >= data.max_seq_len "
                 f"({self.data.max_seq_len}): one sequence must fit in a batch"
             )
+        if self.extract.mode == "stream":
+            self._streamable()
         if self.cluster.executor == "ray" and self.train.grad_accum_steps % self.cluster.train_nodes:
             raise ValueError(
                 f"train.grad_accum_steps ({self.train.grad_accum_steps}) must be a multiple of cluster.train_nodes "
                 f"({self.cluster.train_nodes}): each node's processes take an equal share of the global batch"
             )
         return self
+
+    def _streamable(self) -> None:
+        blocks = self.train.shuffle_block_shards
+        if not blocks:
+            raise ValueError("extract.mode 'stream' needs train.shuffle_block_shards: training must read the shards a "
+                             "block at a time for a window of them to suffice (docs/STREAMING.md)")
+        if self.extract.stream_window < 2 * blocks:
+            raise ValueError(f"extract.stream_window ({self.extract.stream_window}) must be at least 2 x "
+                             f"train.shuffle_block_shards ({blocks}): the block being trained and the next one")
+        if self.extract.packing:
+            raise ValueError("extract.packing runs batches across shard boundaries; a stream extracts a block at a "
+                             "time: use extract.mode 'stream' without packing")
+        if self.cluster.executor == "ray":
+            raise ValueError("extract.mode 'stream' runs on one machine for now (cluster.executor 'local'); on Ray, "
+                             "extract offline")
 
     @property
     def output_path(self) -> Path:

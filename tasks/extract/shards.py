@@ -227,8 +227,9 @@ def read_manifest(path: str | Path) -> dict:
             raise ValueError(f"not a {SHARD_FORMAT} manifest")
         if manifest.get("dtype", "bfloat16") not in STORED_DTYPES.values():
             raise ValueError(f"dtype {manifest['dtype']!r} is none of {', '.join(STORED_DTYPES.values())}")
+        streamed = "stream" in manifest  # shards yet to be produced: each is checked against its own checksum
         for shard in manifest["shards"]:
-            if not all(shard[k] is not None for k in ("name", "fingerprint", "checksum")):
+            if not all(shard[k] is not None for k in ("name", "fingerprint") + (() if streamed else ("checksum",))):
                 raise ValueError(f"shard entry without a name, fingerprint or checksum: {shard.get('name')}")
             if len(shard["sample_ids"]) != len(shard["lengths"]):
                 raise ValueError(f"{shard['name']}: sample ids and lengths disagree")
@@ -245,9 +246,14 @@ class ShardReader:
     No byte of a shard is used before the shard was checked against the manifest (`verify`):
     it is the file the manifest lists (its fingerprint), undamaged (every byte against the
     checksum) and shaped and typed as listed. That costs one read of each shard per process; a
-    file changed on disk since (size, mtime or inode) is checked again when next opened."""
+    file changed on disk since (size, mtime or inode) is checked again when next opened.
 
-    def __init__(self, manifest_path: str | Path):
+    A streamed extraction's shards (tasks/extract/stream.py) appear while training reads: a missing one is
+    waited for (`wait_for`, called with its path) instead of being marked for a redo, each is checked
+    against the checksum it carries, and at most `max_open` files stay open (a deleted shard's space is
+    freed once no reader holds it)."""
+
+    def __init__(self, manifest_path: str | Path, wait_for=None, max_open: int | None = None):
         self.manifest_path = Path(manifest_path)
         self.manifest = read_manifest(self.manifest_path)
         self.folder = self.manifest_path.parent
@@ -262,6 +268,7 @@ class ShardReader:
         self._files: dict[int, object] = {}
         self._offsets: dict[int, list[int]] = {}
         self.verified: dict[int, tuple[int, int, int]] = {}  # shard number -> (size, mtime_ns, inode) checked
+        self.wait_for, self.max_open = wait_for, max_open
 
     def __len__(self) -> int:
         return len(self.index)
@@ -278,6 +285,8 @@ class ShardReader:
     def _check(self, s: int) -> tuple[int, int, int]:
         listed, path = self.manifest["shards"][s], self.path(s)
         where = f"{path} (listed in {self.manifest_path.name})"
+        if self.wait_for is not None and not path.is_file():
+            self.wait_for(path)
         if not path.is_file():
             raise ShardError(f"{where} is missing; {quarantine(path)}")
         stat = path.stat()
@@ -292,7 +301,7 @@ class ShardReader:
         if meta.get("fingerprint") != listed["fingerprint"]:
             raise ShardError(f"{where} is a shard of other inputs (fingerprint {meta.get('fingerprint', '?')[:16]}, "
                              f"the manifest lists {listed['fingerprint'][:16]}); {quarantine(path)}")
-        if checksum != listed["checksum"] or checksum != meta.get("checksum"):
+        if checksum != (listed["checksum"] or meta.get("checksum")) or checksum != meta.get("checksum"):
             raise ShardError(f"{where} is damaged (checksum mismatch); {quarantine(path)}")
         expected = [sum(listed["lengths"]), len(self.manifest["layers"]), self.manifest["hidden_size"]]
         if shape != expected:
@@ -310,6 +319,9 @@ class ShardReader:
             if stat is None or self.verified.get(s) != (stat.st_size, stat.st_mtime_ns, stat.st_ino):
                 self.verify([s])
             f = safe_open(str(path), "pt")
+            if self.max_open is not None and len(self._files) >= self.max_open:
+                oldest = next(iter(self._files))
+                del self._files[oldest], self._offsets[oldest]
             self._files[s] = f
             self._offsets[s] = f.get_tensor("offsets").tolist()
         return self._files[s], self._offsets[s]

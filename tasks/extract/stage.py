@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from tasks.common.folder_lock import folder_lock
-from tasks.common.progress import ProgressCallback, ProgressEvent
+from tasks.common.progress import ProgressCallback, ProgressEvent, format_bytes
 from tasks.common.sealed import fsync_path
 from tasks.common.verifier import VerifierInfo, inspect_verifier
 from tasks.common.workers import rank_worker_main, run_processes, worker_command, write_job_file
@@ -175,6 +175,7 @@ class ExtractResult:
     wall_s: float  # the whole stage: plan, worker start-up, verifier load, extraction, verification
     steady_tokens_per_s: float | None  # forward passes and capture, first batch (warm-up) and last write excluded
     wall_tokens_per_s: float | None  # tokens extracted / the extraction's wall time (start-up and load included)
+    streamed: bool = False  # extract.mode 'stream': the manifest lists shards the training stage has produced
 
 
 def load_inputs(job: ExtractJob):
@@ -252,6 +253,9 @@ def _run_extraction(job: ExtractJob, in_process: bool, callback: ProgressCallbac
     log.info("%s", plan.describe())
     if on_plan is not None:
         on_plan(plan)
+    offline_manifest = manifest_path(out_dir, plan.fingerprint, job.prepared_fingerprint)
+    if s.mode == "stream" and not offline_manifest.is_file():  # (a finished offline extraction is read as it is)
+        return stream_result(job, plan, prepared, out_dir, t0)
     check_disk(plan, out_dir, s.reserve_disk_gb)
     if plan.pending:  # a complete folder allocates no buffers
         check_host_memory(plan, s.workers)
@@ -305,6 +309,29 @@ def _run_extraction(job: ExtractJob, in_process: bool, callback: ProgressCallbac
     )
 
 
+def stream_result(job: ExtractJob, plan: ExtractionPlan, prepared, out_dir: Path, t0: float) -> ExtractResult:
+    """extract.mode 'stream': nothing is extracted here. The manifest of the shards to come (the training
+    stage produces them while it trains, tasks/extract/stream.py), once the disk is known to hold the window."""
+    from tasks.extract.stream import write_stream_manifest
+
+    s = job.extract_settings
+    window_bytes = s.stream_window * max(spec.tokens for spec in plan.shards) * plan.bytes_per_token
+    if plan.free_bytes < window_bytes + s.reserve_disk_gb * 1e9:
+        raise ExtractError(f"not enough disk in {out_dir} for a window of {s.stream_window} shards: "
+                           f"{format_bytes(window_bytes)} + {format_bytes(s.reserve_disk_gb * 1e9)} reserve > "
+                           f"{format_bytes(plan.free_bytes)} free")
+    path = write_stream_manifest(plan, job.prepared_fingerprint, out_dir, prepared["seq_len"], job,
+                                 out_dir / f"stream-{manifest_path(out_dir, plan.fingerprint, job.prepared_fingerprint).name}")
+    log.info("extraction streamed while the draft trains: %d shards of %s tokens, at most %d on disk at a time "
+             "(%s, besides the validation shards) -> %s", len(plan.shards), f"{plan.tokens:,}", s.stream_window,
+             format_bytes(window_bytes), path)
+    return ExtractResult(
+        manifest=str(path), fingerprint=hashlib.sha256((plan.fingerprint + job.prepared_fingerprint).encode()).hexdigest(),
+        layers=plan.layers, samples=plan.samples, tokens=plan.tokens, shards=len(plan.shards), shards_extracted=0,
+        verifier_loaded=False, wall_s=round(time.monotonic() - t0, 2), steady_tokens_per_s=None,
+        wall_tokens_per_s=None, streamed=True)
+
+
 def extract_pending(job: ExtractJob, plan: ExtractionPlan, out_dir: Path, in_process: bool,
                     callback: ProgressCallback, lock_fd: int) -> None:
     """Extract the shards missing from `out_dir` (here or in worker processes); all present after."""
@@ -318,7 +345,8 @@ def extract_pending(job: ExtractJob, plan: ExtractionPlan, out_dir: Path, in_pro
 
 
 def run_worker_processes(job: ExtractJob, workers: int, callback: ProgressCallback | None,
-                         lock_fd: int | None = None) -> None:
+                         lock_fd: int | None = None, module: str = "tasks.extract.stage",
+                         label: str = "extraction worker") -> None:
     """`workers` subprocesses (`python -m tasks.extract.stage`), each its own GPUs; their progress
     files are followed and merged into one report. A crash, OOM or CUDA abort fails this call,
     not the caller's process, and the shards already written stay valid for the retry; a
@@ -336,10 +364,10 @@ def run_worker_processes(job: ExtractJob, workers: int, callback: ProgressCallba
         elif not visible:
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
         progress_file = job_file.with_name(f"rank-{rank}.jsonl")
-        commands.append(worker_command("tasks.extract.stage", job_file, rank, workers, progress_file))
+        commands.append(worker_command(module, job_file, rank, workers, progress_file))
         envs.append(env)
         progress_files.append(progress_file)
-    run_processes(commands, progress_files, callback, envs, label="extraction worker",
+    run_processes(commands, progress_files, callback, envs, label=label,
                   pass_fds=(lock_fd,) if lock_fd else ())
 
 

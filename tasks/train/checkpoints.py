@@ -34,6 +34,13 @@ def checkpoint_dirs(out_dir: Path) -> list[Path]:
     return sorted(p for p in (out_dir / "checkpoints").glob("step-*") if (p / "COMPLETE").is_file())
 
 
+def newest_checkpoint_step(out_dir: Path) -> int:
+    """The step of the newest checkpoint folder, read from its name (0 without one): where a resume
+    most likely starts, known before anything is loaded."""
+    folders = checkpoint_dirs(out_dir)
+    return int(folders[-1].name.removeprefix("step-")) if folders else 0
+
+
 class CheckpointError(ValueError):
     """A checkpoint cannot be resumed from; the message names the file and why."""
 

@@ -52,8 +52,9 @@ class ShardDataset(Dataset):
     """Samples of an extraction manifest, with loss masks from the prepared data. Shards are
     checked against the manifest before their first use (ShardReader)."""
 
-    def __init__(self, manifest_path: str | Path, prepared_path: str | Path, indices: list[int] | None = None):
-        self.reader = ShardReader(manifest_path)
+    def __init__(self, manifest_path: str | Path, prepared_path: str | Path, indices: list[int] | None = None,
+                 **reader_options):
+        self.reader = ShardReader(manifest_path, **reader_options)
         self.prepared = load_prepared(prepared_path)
         self.rows = [row for shard in self.reader.manifest["shards"] for row in shard["rows"]]
         self.indices = list(range(len(self.reader))) if indices is None else indices
@@ -100,6 +101,21 @@ def split_indices(sample_ids: list[str], val_fraction: float) -> tuple[list[int]
     return [i for i in range(len(sample_ids)) if i not in val_set], val
 
 
+def split_shards(reader: ShardReader, val_fraction: float) -> tuple[list[int], list[int]]:
+    """Train/validation split by whole shards, each held out by a hash of its first sample id (the
+    split of `train.shuffle_block_shards`): a stream keeps the validation shards for the whole run and
+    releases the others block by block (tasks/extract/stream.py), which a split by sample would not allow."""
+    shards = reader.manifest["shards"]
+    if val_fraction <= 0:
+        return list(range(len(reader))), []
+    cut = int(val_fraction * 2**32)
+    held = {s for s, shard in enumerate(shards) if xxhash.xxh32_intdigest(shard["sample_ids"][0].encode()) < cut}
+    if not held and len(shards) > 1:
+        held = {len(shards) - 1}
+    return ([i for i, (s, _) in enumerate(reader.index) if s not in held],
+            [i for i, (s, _) in enumerate(reader.index) if s in held])
+
+
 def shard_blocks(dataset: ShardDataset, shards_per_block: int) -> list[list[int]]:
     """The dataset's positions grouped by blocks of `shards_per_block` consecutive extraction shards
     (`train.shuffle_block_shards`), in shard order."""
@@ -121,6 +137,7 @@ class StepBatches(torch.utils.data.Sampler):
     def __init__(self, lengths: list[int], total_seq_len: int, world_size: int, rank: int, grad_accum_steps: int,
                  seed: int, epoch: int, start_step: int = 0, blocks: list[list[int]] | None = None):
         slots = range(rank * grad_accum_steps, (rank + 1) * grad_accum_steps)
+        self.block_steps: list[tuple[int, int]] = []  # with blocks: (block, its steps), in this epoch's order
         if blocks is None:
             per_slot = [self._packed(lengths, total_seq_len, world_size * grad_accum_steps, slot, seed, epoch)
                         for slot in slots]
@@ -137,6 +154,7 @@ class StepBatches(torch.utils.data.Sampler):
                 for mine, batches in zip(per_slot, packed, strict=True):
                     mine.extend([block[i] for i in batch] for batch in batches[:steps])
                 self.steps += steps
+                self.block_steps.append((b, steps))
         self.batches = [per_slot[a][s] for s in range(start_step, self.steps) for a in range(grad_accum_steps)]
 
     @staticmethod
@@ -164,9 +182,11 @@ class TrainSchedule:
     def __init__(self, lengths: list[int], total_seq_len: int, world_size: int, grad_accum_steps: int, seed: int,
                  epochs: int, max_steps: int | None = None, blocks: list[list[int]] | None = None):
         self.per_epoch: list[int] = []
+        self.block_steps: list[list[tuple[int, int]]] = []  # per epoch, with blocks: (block, steps) in order
         for epoch in range(epochs):  # every rank packs the same number of steps: rank 0's count is the count
-            self.per_epoch.append(StepBatches(lengths, total_seq_len, world_size, 0, grad_accum_steps, seed, epoch,
-                                              blocks=blocks).steps)
+            batches = StepBatches(lengths, total_seq_len, world_size, 0, grad_accum_steps, seed, epoch, blocks=blocks)
+            self.per_epoch.append(batches.steps)
+            self.block_steps.append(batches.block_steps)
             if max_steps and sum(self.per_epoch) >= max_steps:
                 break
         self.total_steps = min(sum(self.per_epoch), max_steps or sum(self.per_epoch))

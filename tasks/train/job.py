@@ -43,6 +43,7 @@ class TrainResult:
     steady_tokens_per_s: float | None  # training steps only: no compilation window, validation or checkpoints
     wall_s: float  # the whole attempt: start-up, data, compilation, training, validation, export
     target_check: dict | None = None  # tasks/train/targets.py: the targets against the verifier's own logits
+    stream: dict | None = None  # extract.mode 'stream': what the producers did, their disk high-water mark
 
 
 def train_fingerprint(manifest_fp: str, vocab_fp: str, settings: dict) -> str:

@@ -43,7 +43,13 @@ from tasks.common.verifier import inspect_verifier
 from tasks.common.workers import progress_file_callback, reporting_errors
 from tasks.extract.shards import read_manifest
 from tasks.train.acceptance import simulated_acceptance_length
-from tasks.train.checkpoints import export_draft, remove_temporaries, resume_newest_intact, save_checkpoint
+from tasks.train.checkpoints import (
+    export_draft,
+    newest_checkpoint_step,
+    remove_temporaries,
+    resume_newest_intact,
+    save_checkpoint,
+)
 from tasks.train.data import (
     MODEL_INPUTS,
     ShardDataset,
@@ -54,6 +60,7 @@ from tasks.train.data import (
     make_loader,
     shard_blocks,
     split_indices,
+    split_shards,
     verify_shards,
 )
 from tasks.train.evaluation import accumulate, evaluate, reduce_metrics, reduce_sums
@@ -61,6 +68,7 @@ from tasks.train.job import TrainJob, TrainResult
 from tasks.train.model import build_draft, build_optimizers
 from tasks.train.on_policy import on_policy_loss_config, weigh_drafted_states
 from tasks.train.step_profile import StepProfiler
+from tasks.train.stream import ShardWaiter, TrainStream
 from tasks.train.targets import check_targets, last_states
 from tasks.train.tracking import TrainingLog
 
@@ -98,9 +106,14 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
 
     from speculators.losses import resolve_loss_config
 
-    full = ShardDataset(job.manifest, job.prepared_path)
-    verify_shards(full.reader, rank, world)
-    train_idx, val_idx = split_indices(full.reader.sample_ids, s.val_fraction)
+    streamed = "stream" in manifest  # the shards appear while training reads (tasks/train/stream.py)
+    full = ShardDataset(job.manifest, job.prepared_path, **(
+        {"wait_for": ShardWaiter(Path(job.manifest).parent), "max_open": 2 * s.shuffle_block_shards}
+        if streamed else {}))
+    if not streamed:  # a streamed shard is checked when it appears
+        verify_shards(full.reader, rank, world)
+    train_idx, val_idx = (split_shards(full.reader, s.val_fraction) if s.shuffle_block_shards
+                          else split_indices(full.reader.sample_ids, s.val_fraction))
     if not train_idx:
         raise TrainDataError("no training samples after the validation split")
     train_set = full.subset(train_idx)
@@ -114,11 +127,17 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
         raise TrainDataError(f"{len(train_idx)} training samples give no full step for {world} process(es) x "
                              f"{s.grad_accum_steps} micro-batches; lower train.total_seq_len or add data")
     total_steps = schedule.total_steps
+    stream = TrainStream(full.reader, schedule, train_set, blocks, val_idx) if streamed else None
 
     torch.manual_seed(s.seed)
     model = build_draft(job, d2t, t2d, draft_vocab, device)
-    # the targets the draft trains toward, against the verifier's own norm and head (made to agree, or refused)
-    target_check = check_targets(model, inspect_verifier(job.verifier_path), last_states(train_set),
+    # the targets the draft trains toward, against the verifier's own norm and head (made to agree, or
+    # refused), on samples a stream has first: the validation shards, else the first block read
+    probe = train_set if not blocks else val_set or train_set.subset(
+        [train_set.indices[p] for p in blocks[schedule.block_steps[0][0][0]]])
+    if stream is not None and rank == 0:  # the producer starts on it while the draft is built and resumed
+        stream.publish(newest_checkpoint_step(out_dir))
+    target_check = check_targets(model, inspect_verifier(job.verifier_path), last_states(probe),
                                  job.trust_remote_code)
     if rank == 0:
         log.info("%s", target_check.describe())
@@ -147,6 +166,8 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
         # the log window open at the checkpoint, summed over the ranks: rank 0 carries it on
         sums, tokens = (state["window"]["sums"] if rank == 0 else {}), state["window"]["tokens"]
         log.info("resumed from %s (step %d of %d)", resumed_from, step, total_steps)
+    if stream is not None and rank == 0:
+        stream.release(step)  # where this attempt starts (earlier than the last one's after a fall-back)
     metrics_log = TrainingLog(out_dir, step, s.tensorboard) if rank == 0 else None
     net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
 
@@ -169,6 +190,8 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
         for _ in range(in_epoch, schedule.per_epoch[epoch]):
             if step >= total_steps:
                 break
+            if stream is not None:
+                stream.wait(step, progress)
             on_policy = step >= on_policy_from
             if on_policy and step == on_policy_from and rank == 0:
                 log.info("on-policy refinement: steps %d-%d train on the states the draft's own drafts reach",
@@ -217,18 +240,19 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
                 note = (f"loss {metrics['loss']:.4f}, acc0 {metrics.get('full_acc_0', 0):.3f}, "
                         f"{metrics['tokens_per_s']:,.0f} tok/s")
             progress.update(1, note=note)
-            if step % s.eval_every == 0 or step == total_steps:
+            evaluation = step % s.eval_every == 0 or step == total_steps
+            if evaluation or (stream is not None and stream.block_ends(step)):  # a stream moves on at checkpoints
                 t_eval = time.monotonic()
-                val = validate() if val_set else {}
+                val = validate() if val_set and evaluation else {}
                 acceptance = simulated_acceptance_length(val, s.ttt_steps) if val else 0.0
-                if acceptance > best["acceptance"] or not val:  # without a validation set, the latest is kept
+                if evaluation and (acceptance > best["acceptance"] or not val):  # no validation set: the latest
                     best = {"step": step, "acceptance": acceptance, "metrics": val}
                 if rank == 0 and val:
                     metrics_log.write({"split": "val", "step": step, **val, "simulated_acceptance_length": acceptance})
                     log.info("validation at step %d: simulated acceptance length %.3f (best %.3f at step %d), "
                              "replayed %.3f, loss %.4f", step, acceptance, best["acceptance"], best["step"],
                              val["replayed_acceptance_length"], val["loss"])
-                elif rank == 0:
+                elif rank == 0 and evaluation:
                     log.info("checkpoint at step %d (train.val_fraction=0: no validation, the latest checkpoint "
                              "is the one exported)", step)
                 window = {"sums": reduce_sums(sums, world > 1), "tokens": tokens}
@@ -237,6 +261,8 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
                                     {"step": step, "best": best, "window": window}, s.keep_checkpoints, best["step"])
                 if world > 1:
                     dist.barrier()
+                if stream is not None and rank == 0:
+                    stream.release(step)
                 t_window = time.monotonic()  # validation time is not training time
                 progress.exclude(t_window - t_eval)  # nor in the rate the ETA comes from
     progress.close()

@@ -8,26 +8,46 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from tasks.common.folder_lock import folder_lock
 from tasks.common.progress import ProgressCallback
 from tasks.common.workers import run_processes
 from tasks.extract.shards import read_manifest
+from tasks.extract.stream import producing
 from tasks.train.data import check_inputs
 from tasks.train.job import TrainJob, TrainResult, train_fingerprint
 from tasks.train.loop import train_worker
 
 
 def run_training(job: TrainJob, manifest_fp: str, vocab_fp: str, *, in_process: bool = False,
-                 callback: ProgressCallback | None = None) -> TrainResult:
+                 callback: ProgressCallback | None = None,
+                 stream_callback: ProgressCallback | None = None) -> TrainResult:
     """The stage: one process, or `nproc` under torchrun, in a subprocess unless `in_process`.
-    Inputs are checked here first, so a mismatch fails before any process starts."""
-    check_inputs(job, read_manifest(job.manifest))
+    Inputs are checked here first, so a mismatch fails before any process starts. A streamed
+    extraction's manifest (extract.mode 'stream') has its shards produced meanwhile, by processes
+    that report to `stream_callback` (tasks/extract/stream.py); the shard folder's lock is held."""
+    manifest = read_manifest(job.manifest)
+    check_inputs(job, manifest)
     with folder_lock(job.out_dir, "training") as lock_fd:
-        result = _run_training(job, in_process, callback, lock_fd)
+        if "stream" not in manifest:
+            result = _run_training(job, in_process, callback, lock_fd)
+        else:
+            with (folder_lock(Path(job.manifest).parent, "extraction") as shard_lock,
+                  producing(manifest, shard_lock, stream_callback) as control):
+                result = _run_training(job, in_process, callback, lock_fd)
+            result = replace(result, stream=stream_report(control.reports(), manifest))  # the producers have ended
     return TrainResult(**{**asdict(result), "fingerprint": train_fingerprint(manifest_fp, vocab_fp, job.settings)})
+
+
+def stream_report(reports: list[dict], manifest: dict) -> dict:
+    """What the producers report, summed: shards produced and deleted, and the most bytes of shards on disk."""
+    return {"window_shards": manifest["stream"]["window"],
+            "high_water_bytes": max((r["high_water_bytes"] for r in reports), default=0),
+            "largest_shard_bytes": max((r["largest_shard_bytes"] for r in reports), default=0),
+            "shards_produced": sum(r["shards_produced"] for r in reports),
+            "shards_deleted": sum(r["shards_deleted"] for r in reports)}
 
 
 def _run_training(job: TrainJob, in_process: bool, callback: ProgressCallback | None, lock_fd: int) -> TrainResult:

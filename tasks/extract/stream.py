@@ -1,0 +1,256 @@
+"""Streamed extraction (`extract.mode: stream`, docs/STREAMING.md): the verifier produces the shards while
+the draft trains, in the order training reads them, and no more than `extract.stream_window` shards
+(besides the validation shards) are on disk at a time.
+
+The producer and the trainer meet in the shard folder. The shards are the offline extraction's (same
+plan, fingerprints, batches, bytes, journal), written to a temporary name and sealed by rename, so a
+shard's file exists only once it is complete. Beside them, in `stream/`, small files written whole:
+- `sequence.json`, by the trainer once it knows its schedule: the blocks of shards in the order its steps
+  read them (`positions`), and the validation shards (`pinned`, kept for the whole run);
+- `released.json`, by the trainer after each checkpoint (and at start, from the checkpoint it resumed
+  from): the position a resume would start at. Shards of earlier positions no resume can need: the
+  producer deletes them and fills the window from this position on;
+- `stop` (the stage, when training ended) and `producer-failed.json` (the stage, when the producer failed
+  for good: the trainer stops waiting and says why).
+
+A shard deleted and needed again (a later epoch, a resume from an older checkpoint) is produced again:
+the same samples in the same batches give the same bytes. Each producer rank writes its high-water
+mark (bytes of shards on disk) to `report-<rank>.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from tasks.common.errors import is_deterministic
+from tasks.common.progress import Progress, ProgressCallback, format_bytes
+from tasks.common.workers import rank_worker_main
+from tasks.extract.plan import ExtractError, make_plan
+from tasks.extract.shards import SHARD_FORMAT, STORED_DTYPES
+from tasks.extract.writer import extract_shards
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.2
+PRODUCER_RESTARTS = 3  # a producer process that dies (OOM, a signal) is started again alone, this many times
+
+
+class ProducerFailed(ExtractError):
+    """The streamed extraction failed for good: training stops waiting for it."""
+
+
+def write_whole(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".tmp-{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+
+
+class StreamControl:
+    """The files through which trainer, producer and stage coordinate (module docstring)."""
+
+    def __init__(self, shard_dir: str | Path):
+        self.shard_dir = Path(shard_dir)
+        self.dir = self.shard_dir / "stream"
+
+    def reset(self) -> None:
+        """A new attempt: nothing of the last one's sequence, release point or stop is believed."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for path in [*(self.dir / name for name in ("sequence.json", "released.json", "stop", "producer-failed.json")),
+                     *self.dir.glob("report-*.json")]:
+            path.unlink(missing_ok=True)
+
+    # the trainer's side
+    def publish(self, positions: list[list[int]], pinned: list[int], first_steps: list[int]) -> None:
+        write_whole(self.dir / "sequence.json", {"positions": positions, "pinned": pinned, "first_steps": first_steps})
+
+    def release(self, position: int) -> None:
+        write_whole(self.dir / "released.json", {"position": position})
+
+    def producer_failure(self) -> str | None:
+        failed = read_json(self.dir / "producer-failed.json")
+        return failed["message"] if failed else None
+
+    # the producer's side
+    def sequence(self) -> dict | None:
+        return read_json(self.dir / "sequence.json")
+
+    def released(self) -> int:
+        released = read_json(self.dir / "released.json")
+        return released["position"] if released else 0
+
+    def stopped(self) -> bool:
+        return (self.dir / "stop").exists()
+
+    # the stage's side
+    def stop(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / "stop").touch()
+
+    def fail(self, message: str) -> None:
+        write_whole(self.dir / "producer-failed.json", {"message": message})
+
+    def reports(self) -> list[dict]:
+        return [json.loads(p.read_text()) for p in sorted(self.dir.glob("report-*.json"))]
+
+
+def window_shards(sequence: dict, released: int, window: int) -> list[int]:
+    """The shards to have on disk now, in the order training reads them: the validation shards, then
+    the blocks from the release point on, as many whole blocks as fit in `window` shards (the first
+    always)."""
+    wanted = list(sequence["pinned"])
+    ahead: list[int] = []
+    for position in sequence["positions"][released:]:
+        new = [s for s in position if s not in ahead]
+        if ahead and len(ahead) + len(new) > window:
+            break
+        ahead += new
+    return wanted + [s for s in ahead if s not in wanted]
+
+
+def write_stream_manifest(plan, prepared_fp: str, out_dir: Path, lengths, job, path: Path) -> Path:
+    """The manifest of a streamed extraction: the offline manifest's shards, fingerprints and lengths
+    (training plans its steps from them) without checksums (each shard is checked against its own
+    when it is read), and how to produce them (`stream.job`, the extraction job)."""
+    from dataclasses import asdict
+
+    manifest = {
+        "format": SHARD_FORMAT, "extraction_fingerprint": plan.fingerprint, "prepared_fingerprint": prepared_fp,
+        "verifier": plan.verifier, "verifier_fingerprint": plan.verifier_fingerprint, "layers": plan.layers,
+        "hidden_size": plan.hidden_size, "dtype": STORED_DTYPES[plan.storage_dtype], "samples": plan.samples,
+        "tokens": plan.tokens, "bytes_per_token": plan.bytes_per_token,
+        "stream": {"window": job.extract_settings.stream_window, "job": asdict(job)},
+        "shards": [{"name": s.name, "fingerprint": s.fingerprint, "checksum": None, "tokens": s.tokens,
+                    "rows": list(s.rows), "sample_ids": list(s.sample_ids), "lengths": [lengths[r] for r in s.rows]}
+                   for s in plan.shards],
+    }
+    write_whole(path, manifest)
+    return path
+
+
+def produce(job, rank: int = 0, world_size: int = 1, callback: ProgressCallback | None = None) -> None:
+    """One producer rank: the verifier loaded once, then, until training has released every position
+    (or the stage says stop), delete the shards outside the window and extract the missing ones of
+    this rank (shard i is rank i % world_size's), one block at a time."""
+    from tasks.extract.stage import load_inputs, make_backend
+
+    s = job.extract_settings
+    prepared, verifier, layers = load_inputs(job)
+    out_dir = Path(job.out_dir)
+    control = StreamControl(out_dir)
+    plan = make_plan(prepared, verifier, layers, out_dir, compute_dtype=job.compute_dtype,
+                     shard_tokens=s.shard_tokens, storage_dtype=s.storage_dtype, check_existing=False, estimate=False)
+    specs = plan.shards
+    backend = make_backend(job, verifier, layers)
+    backend.load(callback)  # while the trainer starts: it publishes its sequence once it knows its schedule
+    report = control.dir / f"report-{rank}.json"
+    before = read_json(report) or {}  # this rank's earlier process in this attempt, if it died
+    high_water, produced, deleted = (before.get(k, 0) for k in ("high_water_bytes", "shards_produced", "shards_deleted"))
+    try:
+        while (sequence := control.sequence()) is None:
+            if control.stopped():
+                return
+            time.sleep(POLL_S)
+        total = sum(specs[i].tokens for position in sequence["positions"] for i in position if i % world_size == rank)
+        progress = Progress(f"extract (streamed) [{rank}/{world_size}]", total, "tok", callback)
+        while not control.stopped():
+            released = control.released()
+            if released >= len(sequence["positions"]):
+                break  # training has read everything it will read
+            keep = window_shards(sequence, released, s.stream_window)
+            keep_names = {specs[i].name for i in keep}
+            for i, spec in enumerate(specs):  # outside the window: no resume can need them
+                path = out_dir / spec.name
+                if i % world_size == rank and spec.name not in keep_names and path.exists():
+                    path.unlink()
+                    deleted += 1
+            missing = [specs[i] for i in keep if i % world_size == rank and not (out_dir / specs[i].name).exists()]
+            if not missing:
+                time.sleep(POLL_S)
+                continue
+            block = missing[: max(1, len(sequence["positions"][released]))]  # a block at a time: stop is heard
+            extract_shards(block, plan, prepared, out_dir, backend, batch_tokens=s.batch_tokens,
+                           label=f"extract (streamed) [{rank}/{world_size}]")
+            produced += len(block)
+            on_disk = sum(p.stat().st_size for p in out_dir.glob("shard-*.safetensors"))
+            high_water = max(high_water, on_disk)
+            progress.update(sum(spec.tokens for spec in block),
+                            note=f"{len(keep)} shards in the window, {format_bytes(on_disk)} on disk")
+        progress.close()
+    finally:
+        backend.close()
+        write_whole(report, {
+            "rank": rank, "high_water_bytes": high_water, "shards_produced": produced, "shards_deleted": deleted,
+            "largest_shard_bytes": max(spec.tokens for spec in specs) * plan.bytes_per_token})
+    log.info("streamed extraction [%d/%d]: %d shards produced, %d deleted, at most %s on disk", rank, world_size,
+             produced, deleted, format_bytes(high_water))
+
+
+@contextmanager
+def producing(manifest: dict, lock_fd: int, callback: ProgressCallback | None = None) -> Iterator[StreamControl]:
+    """The producer processes of a streamed manifest (`extract.workers` of them), run while the caller
+    trains. One that dies without an error of its own (WorkerLost: OOM, a signal) is started again alone;
+    one that fails for good tells the trainer (which stops waiting) and its error is raised here, in
+    place of the trainer's. When the caller is done the producers are told to stop, and, after a
+    successful training, the stream's shards are deleted: nothing is kept for a later run."""
+    from tasks.extract.stage import ExtractJob, run_worker_processes
+
+    job = ExtractJob(**manifest["stream"]["job"])
+    control = StreamControl(job.out_dir)
+    control.reset()
+    failures: list[BaseException] = []
+
+    def keep_producing() -> None:
+        for attempt in range(PRODUCER_RESTARTS + 1):
+            try:
+                run_worker_processes(job, job.extract_settings.workers, callback, lock_fd, "tasks.extract.stream",
+                                     label="streamed extraction worker")
+                return
+            except Exception as e:
+                if control.stopped():
+                    return
+                if is_deterministic(e) or attempt == PRODUCER_RESTARTS:
+                    failures.append(e)
+                    control.fail(f"{type(e).__name__}: {e}")
+                    return
+                log.warning("streamed extraction: %s; started again, alone (%d of %d)", e, attempt + 1,
+                            PRODUCER_RESTARTS)
+
+    producer = threading.Thread(target=keep_producing, name="streamed-extraction", daemon=True)
+    producer.start()
+    try:
+        yield control
+    except BaseException:
+        control.stop()
+        producer.join()
+        if failures:
+            raise failures[0] from None  # the producer's own error: the trainer only stopped waiting
+        raise
+    control.stop()
+    producer.join()
+    for name in (entry["name"] for entry in manifest["shards"]):
+        (control.shard_dir / name).unlink(missing_ok=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """A producer process: `python -m tasks.extract.stream --job JOB.json --rank R --world-size W`."""
+    from tasks.extract.stage import ExtractJob
+
+    return rank_worker_main("tasks.extract.stream", ExtractJob, produce, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
