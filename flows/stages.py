@@ -54,16 +54,19 @@ PREPARE_CODE = ("tasks.prepare.stage", "tasks.prepare.dataset", "tasks.prepare.c
                 "tasks.prepare.chat_template", "tasks.prepare.regenerate", "tasks.prepare.synthesize",
                 "tasks.prepare.generators", "tasks.prepare.refill",
                 "tasks.prepare.decode_attention", "tasks.common.journal", "tasks.common.verifier")
-EXTRACT_CODE = ("tasks.extract.stage", "tasks.extract.plan", "tasks.extract.writer", "tasks.extract.shards",
-                "tasks.extract.storage_dtype", "tasks.extract.backends.hf", "tasks.extract.backends.vllm",
-                "tasks.extract.backends.vllm_connector", "tasks.prepare.dataset", "tasks.common.journal",
-                "tasks.common.sealed", "tasks.common.verifier")
+EXTRACT_CODE = ("tasks.extract.stage", "tasks.extract.job", "tasks.extract.plan", "tasks.extract.writer",
+                "tasks.extract.shards", "tasks.extract.stream", "tasks.extract.storage_dtype",
+                "tasks.extract.backends.hf", "tasks.extract.backends.vllm", "tasks.extract.backends.vllm_connector",
+                "tasks.prepare.dataset", "tasks.common.journal", "tasks.common.sealed", "tasks.common.verifier")
 VOCAB_CODE = ("tasks.vocab", "tasks.prepare.dataset", "tasks.common.sealed", "tasks.common.verifier")
+# a streamed extraction runs inside the train stage (tasks/extract/stream.py): its code is training's too
 TRAIN_CODE = ("tasks.train.stage", "tasks.train.job", "tasks.train.loop", "tasks.train.data", "tasks.train.model",
               "tasks.train.evaluation", "tasks.train.acceptance", "tasks.train.on_policy", "tasks.train.checkpoints",
-              "tasks.train.step_profile", "tasks.train.tracking", "tasks.train.targets", "tasks.extract.shards",
-              "tasks.extract.storage_dtype", "tasks.prepare.dataset", "tasks.vocab", "tasks.common.journal",
-              "tasks.common.sealed", "tasks.common.verifier")
+              "tasks.train.step_profile", "tasks.train.tracking", "tasks.train.targets", "tasks.train.stream",
+              "tasks.extract.stream", "tasks.extract.job", "tasks.extract.plan", "tasks.extract.writer",
+              "tasks.extract.shards", "tasks.extract.storage_dtype", "tasks.extract.backends.hf",
+              "tasks.extract.backends.vllm", "tasks.extract.backends.vllm_connector", "tasks.prepare.dataset",
+              "tasks.vocab", "tasks.common.journal", "tasks.common.sealed", "tasks.common.verifier")
 VALIDATE_CODE = ("tasks.validate.stage", "tasks.validate.draft_check", "tasks.validate.vllm_live",
                  "tasks.common.verifier")
 
@@ -133,8 +136,9 @@ def _extract_key(ctx, p) -> str | None:
     c: PipelineConfig = p["config"]
     if quarantined_shards(stage_dir(c, "hidden_states")):  # training found shards damaged: no cache hit
         return None  # hides them; the extraction redoes what is missing (Prefect caches nothing for None)
+    streamed = ("stream",) if c.extract.mode == "stream" else ()  # its result is a promise of shards, not shards
     return cache_key(ctx, p["prepared"].fingerprint, verifier_fingerprint(c.verifier.path), c.verifier.dtype,
-                     c.extract.output_settings(), c.output_dir, code=EXTRACT_CODE)
+                     c.extract.output_settings(), c.output_dir, *streamed, code=EXTRACT_CODE)
 
 
 @task(name="extract", cache_key_fn=_extract_key, tags=["gpu"], **GPU_STAGE)
@@ -212,8 +216,10 @@ def train_task(config: PipelineConfig, prepared: PreparedData, extracted: Extrac
 
         result = run_training_on_ray(job, extracted.fingerprint, vocab.fingerprint, nodes=config.cluster.train_nodes,
                                      accelerator=config.cluster.accelerator, callback=progress)
-    else:
-        result = run_training(job, extracted.fingerprint, vocab.fingerprint, callback=progress)
+    else:  # a streamed extraction runs here, beside training (tasks/extract/stream.py), with its own progress
+        result = run_training(job, extracted.fingerprint, vocab.fingerprint, callback=progress,
+                              stream_callback=ProgressArtifact("hidden-state extraction, streamed")
+                              if extracted.streamed else None)
     metrics = read_metrics(job.out_dir)
     val = [m for m in metrics if m["split"] == "val"]
     create_table_artifact(

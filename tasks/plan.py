@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.common.config import PipelineConfig
-from tasks.common.progress import format_seconds
+from tasks.common.progress import format_bytes, format_seconds
 from tasks.common.verifier import (
     TOKENIZER_FILES,
     VerifierError,
@@ -79,6 +80,17 @@ class RunSizing:
     regenerate: bool
     serving: str  # whether vLLM here serves the verifier with an EAGLE-3 draft (live validation)
     kept: bool  # the prepared data stays under output_dir
+    stream_disk_bytes: int  # extract.mode 'stream': the window and the validation shards (expected count)
+    epochs: int  # verifier passes when streamed: every epoch extracts its shards again
+
+    def modes(self) -> list[str]:
+        """Offline and streamed extraction side by side: disk peak, verifier passes, extraction time."""
+        return [f"  offline: {format_bytes(self.plan.bytes_total)} of hidden states on disk, kept for later runs; the "
+                f"verifier runs once: about {format_seconds(self.gpu_seconds)}, before training",
+                "  stream (extract.mode, with train.shuffle_block_shards): at most "
+                f"{format_bytes(self.stream_disk_bytes)} "
+                f"on disk, nothing kept; the verifier runs once per epoch, up to {self.epochs}: about "
+                f"{format_seconds(self.epochs * self.gpu_seconds)} of extraction, during training (docs/STREAMING.md)"]
 
     def summary(self) -> dict:
         plan = {k: v for k, v in self.plan.summary().items() if k not in ("estimated_time", "planned_estimate")}
@@ -88,7 +100,8 @@ class RunSizing:
                 "gpus": self.gpus, "gpu_tflops": self.gpu_tflops, "disk_gb_per_s": self.disk_bytes_per_s / 1e9,
                 "estimated_time_on_gpu": format_seconds(self.gpu_seconds), "bound_by": self.bound,
                 "problems_here": self.problems,
-                "regenerate": self.regenerate, "live_validation": self.serving}
+                "regenerate": self.regenerate, "live_validation": self.serving,
+                "stream_disk_peak_gb": round(self.stream_disk_bytes / 1e9, 3), "stream_verifier_passes": self.epochs}
 
     def describe(self) -> str:
         plan = self.plan.describe(estimate=False)  # this machine's speed is no help: the run is elsewhere
@@ -102,6 +115,7 @@ class RunSizing:
                  f"{format_seconds(self.gpu_seconds)}, bound by the {self.bound} (the slower of the rate measured "
                  f"for 8B shapes on an H200, scaled by active parameters, and the writes at "
                  f"{self.disk_bytes_per_s / 1e9:g} GB/s; docs/BENCHMARKS.md)",
+                 *self.modes(),
                  f"  live validation: {self.serving}",
                  f"  prepared data: {self.prepared.path} (the run reuses it)" if self.kept else
                  "  nothing was written (--keep writes the prepared data under output_dir for the run to reuse)"]
@@ -222,9 +236,12 @@ def size_run(config: PipelineConfig, gpu_tflops: float = H100_BF16_TFLOPS, keep:
     rate = MEASURED_TOKENS_PER_S["compiled" if e.compile else "eager"] * (MEASURED_PARAMETERS / active) * (
         gpu_tflops / H100_BF16_TFLOPS) * gpus
     compute_s, disk_s = plan.pending_tokens / rate, plan.bytes_to_write / disk_bytes_per_s
+    shard_bytes = max(s.tokens for s in plan.shards) * plan.bytes_per_token
+    val_shards = math.ceil(config.train.val_fraction * len(plan.shards))  # held out whole in block order
     return RunSizing(plan, prepared, tokenizer, parameters, active, source, gpus, gpu_tflops, disk_bytes_per_s,
                      max(compute_s, disk_s), "disk" if disk_s > compute_s else "compute", problems,
-                     config.data.regenerate.enabled, serving, keep)
+                     config.data.regenerate.enabled, serving, keep,
+                     min(len(plan.shards), e.stream_window + val_shards) * shard_bytes, config.train.epochs)
 
 
 def serving_line(config: PipelineConfig, verifier: VerifierInfo) -> str:

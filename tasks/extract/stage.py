@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -28,8 +27,15 @@ import torch
 from tasks.common.folder_lock import folder_lock
 from tasks.common.progress import ProgressCallback, ProgressEvent, format_bytes
 from tasks.common.sealed import fsync_path
-from tasks.common.verifier import VerifierInfo, inspect_verifier
-from tasks.common.workers import rank_worker_main, run_processes, worker_command, write_job_file
+from tasks.common.workers import rank_worker_main
+from tasks.extract.job import (
+    ExtractJob,
+    ExtractResult,
+    load_inputs,
+    make_backend,
+    manifest_path,
+    run_worker_processes,
+)
 from tasks.extract.plan import (
     LAYERS_STORED,
     ExtractError,
@@ -49,6 +55,7 @@ from tasks.extract.shards import (
     verify_shard,
 )
 from tasks.extract.storage_dtype import all_finite
+from tasks.extract.stream import write_stream_manifest
 from tasks.extract.writer import extract_shards
 
 log = logging.getLogger(__name__)
@@ -137,75 +144,6 @@ def write_manifest(plan: ExtractionPlan, prepared_fp: str, out_dir: Path, length
     os.replace(tmp, path)
     fsync_path(out_dir)
     return path
-
-
-def manifest_path(out_dir: Path, extraction_fp: str, prepared_fp: str) -> Path:
-    return out_dir / f"manifest-{hashlib.sha256((extraction_fp + prepared_fp).encode()).hexdigest()[:16]}.json"
-
-
-@dataclass(frozen=True)
-class ExtractJob:
-    """Everything an extraction needs, JSON-serializable: worker subprocesses get it whole."""
-
-    prepared_path: str
-    prepared_fingerprint: str
-    verifier_path: str
-    out_dir: str
-    compute_dtype: str = "bfloat16"
-    trust_remote_code: bool = False
-    settings: dict = field(default_factory=dict)  # ExtractSettings fields
-
-    @property
-    def extract_settings(self):
-        from tasks.common.config import ExtractSettings
-
-        return ExtractSettings.model_validate(self.settings)
-
-
-@dataclass(frozen=True)
-class ExtractResult:
-    manifest: str
-    fingerprint: str  # of the extraction settings and the prepared data: what the manifest holds
-    layers: list[int]
-    samples: int
-    tokens: int
-    shards: int
-    shards_extracted: int
-    verifier_loaded: bool
-    wall_s: float  # the whole stage: plan, worker start-up, verifier load, extraction, verification
-    steady_tokens_per_s: float | None  # forward passes and capture, first batch (warm-up) and last write excluded
-    wall_tokens_per_s: float | None  # tokens extracted / the extraction's wall time (start-up and load included)
-    streamed: bool = False  # extract.mode 'stream': the manifest lists shards the training stage has produced
-
-
-def load_inputs(job: ExtractJob):
-    """The prepared data, the verifier's description and the layers; fails before any model load."""
-    from tasks.prepare.dataset import load_prepared
-
-    s = job.extract_settings
-    verifier = inspect_verifier(job.verifier_path)
-    layers = verifier.aux_layers(s.aux_layers) + [verifier.num_layers]
-    if not Path(job.prepared_path).is_dir():
-        raise ExtractError(f"prepared data not found at {job.prepared_path} (deleted after it was cached? "
-                           "re-run with --refresh)")
-    prepared = load_prepared(job.prepared_path)
-    if len(prepared) == 0:
-        raise ExtractError(f"prepared data at {job.prepared_path} is empty")
-    if max(prepared["seq_len"]) > s.batch_tokens:
-        raise ExtractError(f"a sample of {max(prepared['seq_len'])} tokens exceeds extract.batch_tokens={s.batch_tokens}")
-    return prepared, verifier, layers
-
-
-def make_backend(job: ExtractJob, verifier: VerifierInfo, layers: list[int]):
-    s = job.extract_settings
-    if s.backend == "vllm":
-        from tasks.extract.backends.vllm import VllmBackend
-
-        return VllmBackend(verifier, layers, job.compute_dtype, s, job.trust_remote_code)
-    from tasks.extract.backends.hf import TransformersBackend
-
-    return TransformersBackend(verifier, layers, job.compute_dtype, s.device, job.trust_remote_code, s.compile,
-                               packed_row_tokens=s.batch_tokens if s.packing else None)
 
 
 def run_worker(job: ExtractJob, rank: int = 0, world_size: int = 1,
@@ -312,21 +250,21 @@ def _run_extraction(job: ExtractJob, in_process: bool, callback: ProgressCallbac
 def stream_result(job: ExtractJob, plan: ExtractionPlan, prepared, out_dir: Path, t0: float) -> ExtractResult:
     """extract.mode 'stream': nothing is extracted here. The manifest of the shards to come (the training
     stage produces them while it trains, tasks/extract/stream.py), once the disk is known to hold the window."""
-    from tasks.extract.stream import write_stream_manifest
-
     s = job.extract_settings
     window_bytes = s.stream_window * max(spec.tokens for spec in plan.shards) * plan.bytes_per_token
     if plan.free_bytes < window_bytes + s.reserve_disk_gb * 1e9:
         raise ExtractError(f"not enough disk in {out_dir} for a window of {s.stream_window} shards: "
                            f"{format_bytes(window_bytes)} + {format_bytes(s.reserve_disk_gb * 1e9)} reserve > "
                            f"{format_bytes(plan.free_bytes)} free")
+    offline = manifest_path(out_dir, plan.fingerprint, job.prepared_fingerprint)
     path = write_stream_manifest(plan, job.prepared_fingerprint, out_dir, prepared["seq_len"], job,
-                                 out_dir / f"stream-{manifest_path(out_dir, plan.fingerprint, job.prepared_fingerprint).name}")
+                                 offline.with_name(f"stream-{offline.name}"))
     log.info("extraction streamed while the draft trains: %d shards of %s tokens, at most %d on disk at a time "
              "(%s, besides the validation shards) -> %s", len(plan.shards), f"{plan.tokens:,}", s.stream_window,
              format_bytes(window_bytes), path)
     return ExtractResult(
-        manifest=str(path), fingerprint=hashlib.sha256((plan.fingerprint + job.prepared_fingerprint).encode()).hexdigest(),
+        manifest=str(path),
+        fingerprint=hashlib.sha256((plan.fingerprint + job.prepared_fingerprint).encode()).hexdigest(),
         layers=plan.layers, samples=plan.samples, tokens=plan.tokens, shards=len(plan.shards), shards_extracted=0,
         verifier_loaded=False, wall_s=round(time.monotonic() - t0, 2), steady_tokens_per_s=None,
         wall_tokens_per_s=None, streamed=True)
@@ -338,37 +276,11 @@ def extract_pending(job: ExtractJob, plan: ExtractionPlan, out_dir: Path, in_pro
     if in_process:
         run_worker(job, callback=callback)
     else:
-        run_worker_processes(job, job.extract_settings.workers, callback, lock_fd)
+        run_worker_processes("tasks.extract.stage", "extraction worker", job, job.extract_settings.workers, callback,
+                             lock_fd)
     plan.done, plan.stale_bytes = existing_shards(out_dir, plan.shards)
     if plan.pending:
         raise ExtractError(f"{len(plan.pending)} shards are still missing after extraction, e.g. {plan.pending[0].name}")
-
-
-def run_worker_processes(job: ExtractJob, workers: int, callback: ProgressCallback | None,
-                         lock_fd: int | None = None, module: str = "tasks.extract.stage",
-                         label: str = "extraction worker") -> None:
-    """`workers` subprocesses (`python -m tasks.extract.stage`), each its own GPUs; their progress
-    files are followed and merged into one report. A crash, OOM or CUDA abort fails this call,
-    not the caller's process, and the shards already written stay valid for the retry; a
-    worker's exception is raised here as it was raised there (tasks/common/workers.py). The
-    workers inherit the folder's lock (`lock_fd`): it is held while any of them runs."""
-    job_file = write_job_file(job)
-    gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
-    visible = gpus.split(",") if gpus else [str(i) for i in range(torch.cuda.device_count())]
-    commands, envs, progress_files = [], [], []
-    for rank in range(workers):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(workers))
-        if visible and len(visible) >= workers:
-            per = len(visible) // workers
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[rank * per: (rank + 1) * per])
-        elif not visible:
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
-        progress_file = job_file.with_name(f"rank-{rank}.jsonl")
-        commands.append(worker_command(module, job_file, rank, workers, progress_file))
-        envs.append(env)
-        progress_files.append(progress_file)
-    run_processes(commands, progress_files, callback, envs, label=label,
-                  pass_fds=(lock_fd,) if lock_fd else ())
 
 
 def main(argv: list[str] | None = None) -> int:

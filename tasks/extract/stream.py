@@ -27,11 +27,13 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 
 from tasks.common.errors import is_deterministic
 from tasks.common.progress import Progress, ProgressCallback, format_bytes
 from tasks.common.workers import rank_worker_main
+from tasks.extract.job import ExtractJob, load_inputs, make_backend, run_worker_processes
 from tasks.extract.plan import ExtractError, make_plan
 from tasks.extract.shards import SHARD_FORMAT, STORED_DTYPES
 from tasks.extract.writer import extract_shards
@@ -65,6 +67,7 @@ class StreamControl:
     def __init__(self, shard_dir: str | Path):
         self.shard_dir = Path(shard_dir)
         self.dir = self.shard_dir / "stream"
+        self.parent = os.getppid()
 
     def reset(self) -> None:
         """A new attempt: nothing of the last one's sequence, release point or stop is believed."""
@@ -93,7 +96,9 @@ class StreamControl:
         return released["position"] if released else 0
 
     def stopped(self) -> bool:
-        return (self.dir / "stop").exists()
+        """The stage said stop, or died (this process was handed to another parent): no producer outlives it."""
+        return (self.dir / "stop").exists() or os.getppid() != self.parent
+
 
     # the stage's side
     def stop(self) -> None:
@@ -121,12 +126,10 @@ def window_shards(sequence: dict, released: int, window: int) -> list[int]:
     return wanted + [s for s in ahead if s not in wanted]
 
 
-def write_stream_manifest(plan, prepared_fp: str, out_dir: Path, lengths, job, path: Path) -> Path:
+def write_stream_manifest(plan, prepared_fp: str, out_dir: Path, lengths, job: ExtractJob, path: Path) -> Path:
     """The manifest of a streamed extraction: the offline manifest's shards, fingerprints and lengths
     (training plans its steps from them) without checksums (each shard is checked against its own
     when it is read), and how to produce them (`stream.job`, the extraction job)."""
-    from dataclasses import asdict
-
     manifest = {
         "format": SHARD_FORMAT, "extraction_fingerprint": plan.fingerprint, "prepared_fingerprint": prepared_fp,
         "verifier": plan.verifier, "verifier_fingerprint": plan.verifier_fingerprint, "layers": plan.layers,
@@ -141,12 +144,10 @@ def write_stream_manifest(plan, prepared_fp: str, out_dir: Path, lengths, job, p
     return path
 
 
-def produce(job, rank: int = 0, world_size: int = 1, callback: ProgressCallback | None = None) -> None:
+def produce(job: ExtractJob, rank: int = 0, world_size: int = 1, callback: ProgressCallback | None = None) -> None:
     """One producer rank: the verifier loaded once, then, until training has released every position
     (or the stage says stop), delete the shards outside the window and extract the missing ones of
     this rank (shard i is rank i % world_size's), one block at a time."""
-    from tasks.extract.stage import load_inputs, make_backend
-
     s = job.extract_settings
     prepared, verifier, layers = load_inputs(job)
     out_dir = Path(job.out_dir)
@@ -158,7 +159,8 @@ def produce(job, rank: int = 0, world_size: int = 1, callback: ProgressCallback 
     backend.load(callback)  # while the trainer starts: it publishes its sequence once it knows its schedule
     report = control.dir / f"report-{rank}.json"
     before = read_json(report) or {}  # this rank's earlier process in this attempt, if it died
-    high_water, produced, deleted = (before.get(k, 0) for k in ("high_water_bytes", "shards_produced", "shards_deleted"))
+    high_water, produced, deleted = (before.get(k, 0)
+                                     for k in ("high_water_bytes", "shards_produced", "shards_deleted"))
     try:
         while (sequence := control.sequence()) is None:
             if control.stopped():
@@ -206,8 +208,6 @@ def producing(manifest: dict, lock_fd: int, callback: ProgressCallback | None = 
     one that fails for good tells the trainer (which stops waiting) and its error is raised here, in
     place of the trainer's. When the caller is done the producers are told to stop, and, after a
     successful training, the stream's shards are deleted: nothing is kept for a later run."""
-    from tasks.extract.stage import ExtractJob, run_worker_processes
-
     job = ExtractJob(**manifest["stream"]["job"])
     control = StreamControl(job.out_dir)
     control.reset()
@@ -216,8 +216,8 @@ def producing(manifest: dict, lock_fd: int, callback: ProgressCallback | None = 
     def keep_producing() -> None:
         for attempt in range(PRODUCER_RESTARTS + 1):
             try:
-                run_worker_processes(job, job.extract_settings.workers, callback, lock_fd, "tasks.extract.stream",
-                                     label="streamed extraction worker")
+                run_worker_processes("tasks.extract.stream", "streamed extraction worker", job,
+                                     job.extract_settings.workers, callback, lock_fd)
                 return
             except Exception as e:
                 if control.stopped():
@@ -247,8 +247,6 @@ def producing(manifest: dict, lock_fd: int, callback: ProgressCallback | None = 
 
 def main(argv: list[str] | None = None) -> int:
     """A producer process: `python -m tasks.extract.stream --job JOB.json --rank R --world-size W`."""
-    from tasks.extract.stage import ExtractJob
-
     return rank_worker_main("tasks.extract.stream", ExtractJob, produce, argv)
 
 
