@@ -238,16 +238,21 @@ def test_block_shuffle_reads_a_block_of_shards_at_a_time_takes_every_sample_and_
     """`train.shuffle_block_shards`: each step's samples come from one block of consecutive shards,
     each block's steps come together once an epoch, in another block order each epoch; every sample
     is trained once an epoch; DDP ranks read the same block at the same step; a resumed epoch
-    continues with the very batches it would have had; a run trains to the schedule's step count."""
-    from tasks.train.data import ShardDataset, StepBatches, TrainSchedule, shard_blocks, split_indices
+    continues with the very batches it would have had; a run trains to the schedule's step count.
+    Validation holds out whole shards (a stream keeps them while it releases the rest)."""
+    from tasks.train.data import ShardDataset, StepBatches, TrainSchedule, shard_blocks, split_shards
 
     prepared, extraction, _ = varied_data
     full = ShardDataset(extraction.manifest, prepared.path)
-    train_set = full.subset(split_indices(full.reader.sample_ids, FAST["val_fraction"])[0])
-    blocks = shard_blocks(train_set, 2)
+    train_idx, val_idx = split_shards(full.reader, FAST["val_fraction"])
+    held_out = {full.reader.index[i][0] for i in val_idx}
+    assert held_out and all(full.reader.index[i][0] not in held_out for i in train_idx)
+    assert sorted(train_idx + val_idx) == list(range(len(full)))
+    train_set = full.subset(train_idx)
+    blocks = shard_blocks(train_set, 1)  # a shard per block: the data has few
 
     def block_of(position: int) -> int:
-        return train_set.reader.index[train_set.indices[position]][0] // 2
+        return train_set.reader.index[train_set.indices[position]][0]
 
     assert len(blocks) >= 3 and sorted(p for b in blocks for p in b) == list(range(len(train_set)))
     lengths, orders = train_set.lengths(), []
@@ -258,7 +263,7 @@ def test_block_shuffle_reads_a_block_of_shards_at_a_time_takes_every_sample_and_
         assert all(len(b) == 1 for b in read), read  # a step reads one block
         per_step = [b.pop() for b in read]
         order = [b for i, b in enumerate(per_step) if i == 0 or per_step[i - 1] != b]
-        assert sorted(order) == list(range(len(blocks)))  # each block's steps together, once
+        assert sorted(order) == sorted({block_of(b[0]) for b in blocks})  # each block's steps together, once
         orders.append(order)
         ranks = [StepBatches(lengths, 512, 2, r, 1, 0, epoch, blocks=blocks) for r in range(2)]
         assert [{block_of(p) for p in a} == {block_of(p) for p in b} for a, b in zip(*ranks, strict=True)] == \
@@ -268,7 +273,7 @@ def test_block_shuffle_reads_a_block_of_shards_at_a_time_takes_every_sample_and_
     assert len({tuple(o) for o in orders}) > 1  # the blocks in another order each epoch
 
     schedule = TrainSchedule(lengths, 384, 1, 1, FAST["seed"], 1, blocks=blocks)
-    done = train(varied_data, smollm2, tmp_path, epochs=1, shuffle_block_shards=2, eval_every=1000)
+    done = train(varied_data, smollm2, tmp_path, epochs=1, shuffle_block_shards=1, eval_every=1000)
     assert done.steps == schedule.total_steps == sum(schedule.per_epoch)
 
 
