@@ -59,6 +59,17 @@ def test_missing_section_and_cross_field_checks(tmp_path):
     with pytest.raises(ConfigError, match=r"data.max_rows \(50\) caps every source, the synthesized prompts too"):
         load_config(write(tmp_path, "verifier: {path: /models/x}\ndata: {max_rows: 50, synthesize: {prompts: 100}, "
                                     "regenerate: {enabled: true}}"))
+    for settings, refusal in (("extract: {mode: stream}", "needs train.shuffle_block_shards"),
+                              ("extract: {mode: stream, stream_window: 6}\ntrain: {shuffle_block_shards: 4}",
+                               r"stream_window \(6\) must be at least 2 x train.shuffle_block_shards \(4\)"),
+                              ("extract: {mode: stream, packing: true}\ntrain: {shuffle_block_shards: 2}",
+                               "extract.packing runs batches across shard boundaries"),
+                              ("extract: {mode: stream}\ntrain: {shuffle_block_shards: 2}\ncluster: {executor: ray}",
+                               "runs on one machine for now")):
+        with pytest.raises(ConfigError, match=refusal):
+            load_config(write(tmp_path, BASE + settings))
+    streamed = load_config(write(tmp_path, BASE + "extract: {mode: stream}\ntrain: {shuffle_block_shards: 4}"))
+    assert streamed.extract.output_settings() == load_config(write(tmp_path, BASE)).extract.output_settings()
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(write(tmp_path, "verifier: [unclosed"))
     with pytest.raises(ConfigError, match="not found"):

@@ -105,6 +105,25 @@ def test_rerun_is_all_cached_and_edited_data_reruns_what_depends_on_it(prefect_a
     assert 0 < extracted.shards_extracted < extracted.shards  # earlier shards were reused, not redone
 
 
+def test_a_streamed_run_leaves_no_shards_and_its_draft_is_a_cache_hit_offline(prefect_api, workspace, tmp_path):
+    """extract.mode 'stream' through the flow: the extract task hands training the shards to come, the
+    train task produces them beside training and deletes them after; the same settings offline then
+    extract every shard, and training is a cache hit (the mode is no part of its key: same draft)."""
+    _, data = workspace
+    train = {"shuffle_block_shards": 1}
+    streamed, states = run(small_config(tmp_path / "out", data, train=train,
+                                        extract={"mode": "stream", "stream_window": 2}))
+    assert {name: s for name, (s, _) in states.items()} == {name: "Completed" for name in STAGES}
+    extracted, trained = streamed["extracted"], streamed["trained"]
+    assert extracted.streamed and trained.stream["shards_produced"] >= extracted.shards - 1
+    assert not list((tmp_path / "out" / "hidden_states").glob("shard-*"))
+
+    offline, states = run(small_config(tmp_path / "out", data, train=train))
+    assert states["extract"][0] == "Completed" and states["train"][0] == "Cached", states
+    assert offline["extracted"].shards_extracted == extracted.shards and not offline["extracted"].streamed
+    assert offline["trained"].draft_path == trained.draft_path
+
+
 def test_damage_found_after_a_cached_run_is_repaired_by_the_same_command(prefect_api, workspace, tmp_path):
     """A shard flipped in place (size and mtime kept, so only its checksum tells), then a changed
     training setting: training finds it, fails naming it, and the same command again extracts that
