@@ -90,7 +90,8 @@ class RunSizing:
                 "  stream (extract.mode, with train.shuffle_block_shards): at most "
                 f"{format_bytes(self.stream_disk_bytes)} "
                 f"on disk, nothing kept; the verifier runs once per epoch, up to {self.epochs}: about "
-                f"{format_seconds(self.epochs * self.gpu_seconds)} of extraction, during training (docs/STREAMING.md)"]
+                f"{format_seconds(self.epochs * self.gpu_seconds)} of extraction, during training; with "
+                "extract.stream_cache_epochs: offline's disk and one pass, during the first epoch (docs/STREAMING.md)"]
 
     def summary(self) -> dict:
         plan = {k: v for k, v in self.plan.summary().items() if k not in ("estimated_time", "planned_estimate")}

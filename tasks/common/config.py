@@ -161,6 +161,10 @@ class ExtractSettings(Section):
     stream_window: int = Field(
         8, ge=2, description="mode 'stream': shards on disk at most, besides the validation shards; at least 2 x "
         "train.shuffle_block_shards (the block being trained and the next, extracted meanwhile).")
+    stream_cache_epochs: bool = Field(
+        False, description="mode 'stream': keep every shard once extracted, so that epochs after the first read them "
+        "(one verifier pass, offline's disk, training overlapped with extraction) and a later run reuses them; "
+        "false: each epoch extracts its shards again and at most stream_window are on disk.")
     verify: Literal["full", "quick"] = Field(
         "full",
         description="After extraction: 'full' re-reads every byte against its checksum; 'quick' trusts shards "
@@ -191,7 +195,7 @@ class ExtractSettings(Section):
         device, batch size, packing, compilation, number of ranks, verification or disk reserve."""
         return self.model_dump(exclude={"backend", "device", "batch_tokens", "packing", "compile", "tensor_parallel_size",
                                         "gpu_memory_utilization", "workers", "reserve_disk_gb", "verify", "mode",
-                                        "stream_window"})
+                                        "stream_window", "stream_cache_epochs"})
 
 
 class VocabSettings(Section):

@@ -176,7 +176,8 @@ def produce(job: ExtractJob, rank: int = 0, world_size: int = 1, callback: Progr
             keep_names = {specs[i].name for i in keep}
             for i, spec in enumerate(specs):  # outside the window: no resume can need them
                 path = out_dir / spec.name
-                if i % world_size == rank and spec.name not in keep_names and path.exists():
+                if (i % world_size == rank and spec.name not in keep_names and path.exists()
+                        and not s.stream_cache_epochs):
                     path.unlink()
                     deleted += 1
             missing = [specs[i] for i in keep if i % world_size == rank and not (out_dir / specs[i].name).exists()]
@@ -207,7 +208,8 @@ def producing(manifest: dict, lock_fd: int, callback: ProgressCallback | None = 
     trains. One that dies without an error of its own (WorkerLost: OOM, a signal) is started again alone;
     one that fails for good tells the trainer (which stops waiting) and its error is raised here, in
     place of the trainer's. When the caller is done the producers are told to stop, and, after a
-    successful training, the stream's shards are deleted: nothing is kept for a later run."""
+    successful training, the stream's shards are deleted (but with extract.stream_cache_epochs: they
+    are the offline extraction's shards, which a later offline run finds and reuses)."""
     job = ExtractJob(**manifest["stream"]["job"])
     control = StreamControl(job.out_dir)
     control.reset()
@@ -241,8 +243,9 @@ def producing(manifest: dict, lock_fd: int, callback: ProgressCallback | None = 
         raise
     control.stop()
     producer.join()
-    for name in (entry["name"] for entry in manifest["shards"]):
-        (control.shard_dir / name).unlink(missing_ok=True)
+    if not job.extract_settings.stream_cache_epochs:  # kept shards are the offline extraction's, for a later run
+        for name in (entry["name"] for entry in manifest["shards"]):
+            (control.shard_dir / name).unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -105,22 +105,24 @@ def test_rerun_is_all_cached_and_edited_data_reruns_what_depends_on_it(prefect_a
     assert 0 < extracted.shards_extracted < extracted.shards  # earlier shards were reused, not redone
 
 
-def test_a_streamed_run_leaves_no_shards_and_its_draft_is_a_cache_hit_offline(prefect_api, workspace, tmp_path):
-    """extract.mode 'stream' through the flow: the extract task hands training the shards to come, the
-    train task produces them beside training and deletes them after; the same settings offline then
-    extract every shard, and training is a cache hit (the mode is no part of its key: same draft)."""
+def test_a_streamed_run_keeping_its_shards_is_an_offline_run_cache_hit(prefect_api, workspace, tmp_path):
+    """extract.mode 'stream' through the flow, with extract.stream_cache_epochs: the extract task hands
+    training the shards to come, the train task extracts them beside training, once (the second epoch
+    reads them) and keeps them; the same settings offline then find every shard on disk, and training
+    is a cache hit (the mode is no part of its key: it is the same draft). Releasing and deleting
+    shards as training moves on: tests/train/test_stream.py."""
     _, data = workspace
-    train = {"shuffle_block_shards": 1}
+    train = {"shuffle_block_shards": 1, "epochs": 2}
     streamed, states = run(small_config(tmp_path / "out", data, train=train,
-                                        extract={"mode": "stream", "stream_window": 2}))
+                                        extract={"mode": "stream", "stream_window": 2, "stream_cache_epochs": True}))
     assert {name: s for name, (s, _) in states.items()} == {name: "Completed" for name in STAGES}
     extracted, trained = streamed["extracted"], streamed["trained"]
-    assert extracted.streamed and trained.stream["shards_produced"] >= extracted.shards - 1
-    assert not list((tmp_path / "out" / "hidden_states").glob("shard-*"))
+    assert extracted.streamed and trained.stream["shards_produced"] == extracted.shards
+    assert trained.stream["shards_deleted"] == 0
 
     offline, states = run(small_config(tmp_path / "out", data, train=train))
     assert states["extract"][0] == "Completed" and states["train"][0] == "Cached", states
-    assert offline["extracted"].shards_extracted == extracted.shards and not offline["extracted"].streamed
+    assert offline["extracted"].shards_extracted == 0 and not offline["extracted"].streamed
     assert offline["trained"].draft_path == trained.draft_path
 
 
