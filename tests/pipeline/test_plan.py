@@ -66,6 +66,8 @@ def test_the_one_gpu_preset_is_planned_on_cpu_without_weights(config_only, tmp_p
     assert sized["estimated_time_on_gpu"] == format_seconds(tokens * 4 * 4096 * 2 / MEASURED_DISK_BYTES_PER_S)
     assert sized["regenerate"] is True and sized["problems_here"] == []
     assert sized["tokenizer"] == "the verifier's own tokenizer"
+    # streamed: one shard here, so the whole data is the window; the verifier runs once per epoch
+    assert sized["stream_disk_peak_gb"] == sized["bytes_total_gb"] and sized["stream_verifier_passes"] == 10
     assert (tmp_path / "out" / "hidden_states").is_dir() and not list((tmp_path / "out" / "hidden_states").iterdir())
 
     # the weights' index gives the parameter count when present; the text names the caveats
@@ -74,6 +76,7 @@ def test_the_one_gpu_preset_is_planned_on_cpu_without_weights(config_only, tmp_p
     assert code == 0
     assert "8.03 B parameters (from safetensors index)" in text and "with regeneration on" in text
     assert f"{tokens:,} tokens in 1 shards" in text and "the disk and host memory checks pass" in text
+    assert "offline: " in text and "stream (extract.mode" in text and "the verifier runs once per epoch" in text
 
     main(["plan", str(PRESET), *[a for s in settings for a in ("--set", s)], "--json", "--disk-gb-per-s", "10"])
     faster_disk = json.loads(capsys.readouterr().out)  # a disk 10x faster: the forward's measured rate binds
