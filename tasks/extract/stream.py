@@ -6,7 +6,8 @@ The producer and the trainer meet in the shard folder. The shards are the offlin
 plan, fingerprints, batches, bytes, journal), written to a temporary name and sealed by rename, so a
 shard's file exists only once it is complete. Beside them, in `stream/`, small files written whole:
 - `sequence.json`, by the trainer once it knows its schedule: the blocks of shards in the order its steps
-  read them (`positions`), and the validation shards (`pinned`, kept for the whole run);
+  read them (`positions`), and the shards it reads at any time (`pinned`, kept for the whole run: the
+  validation shards, else the first block, on which the targets are checked);
 - `released.json`, by the trainer after each checkpoint (and at start, from the checkpoint it resumed
   from): the position a resume would start at. Shards of earlier positions no resume can need: the
   producer deletes them and fills the window from this position on;
@@ -170,8 +171,7 @@ def produce(job: ExtractJob, rank: int = 0, world_size: int = 1, callback: Progr
         progress = Progress(f"extract (streamed) [{rank}/{world_size}]", total, "tok", callback)
         while not control.stopped():
             released = control.released()
-            if released >= len(sequence["positions"]):
-                break  # training has read everything it will read
+            finished = released >= len(sequence["positions"])  # then only the validation shards are kept
             keep = window_shards(sequence, released, s.stream_window)
             keep_names = {specs[i].name for i in keep}
             for i, spec in enumerate(specs):  # outside the window: no resume can need them
@@ -182,9 +182,12 @@ def produce(job: ExtractJob, rank: int = 0, world_size: int = 1, callback: Progr
                     deleted += 1
             missing = [specs[i] for i in keep if i % world_size == rank and not (out_dir / specs[i].name).exists()]
             if not missing:
+                if finished:
+                    break  # training has read every block (a re-run of a finished one reads the validation shards)
                 time.sleep(POLL_S)
                 continue
-            block = missing[: max(1, len(sequence["positions"][released]))]  # a block at a time: stop is heard
+            # a block at a time, so that a stop is heard between calls
+            block = missing if finished else missing[: len(sequence["positions"][released])]
             extract_shards(block, plan, prepared, out_dir, backend, batch_tokens=s.batch_tokens,
                            label=f"extract (streamed) [{rank}/{world_size}]")
             produced += len(block)

@@ -127,14 +127,15 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
         raise TrainDataError(f"{len(train_idx)} training samples give no full step for {world} process(es) x "
                              f"{s.grad_accum_steps} micro-batches; lower train.total_seq_len or add data")
     total_steps = schedule.total_steps
-    stream = TrainStream(full.reader, schedule, train_set, blocks, val_idx) if streamed else None
+    # the samples the targets are checked on: in block order, ones a stream keeps all run (its
+    # validation shards, else the first block read)
+    probe = train_set if not blocks else val_set or train_set.subset(
+        [train_set.indices[p] for p in blocks[schedule.block_steps[0][0][0]]])
+    stream = TrainStream(full.reader, schedule, train_set, blocks, probe.indices) if streamed else None
 
     torch.manual_seed(s.seed)
     model = build_draft(job, d2t, t2d, draft_vocab, device)
-    # the targets the draft trains toward, against the verifier's own norm and head (made to agree, or
-    # refused), on samples a stream has first: the validation shards, else the first block read
-    probe = train_set if not blocks else val_set or train_set.subset(
-        [train_set.indices[p] for p in blocks[schedule.block_steps[0][0][0]]])
+    # the targets the draft trains toward, against the verifier's own norm and head (made to agree, or refused)
     if stream is not None and rank == 0:  # the producer starts on it while the draft is built and resumed
         stream.publish(newest_checkpoint_step(out_dir))
     target_check = check_targets(model, inspect_verifier(job.verifier_path), last_states(probe),

@@ -34,7 +34,9 @@ class ShardWaiter:
 class TrainStream:
     """The positions (blocks in the order the schedule's steps read them), and where each begins."""
 
-    def __init__(self, reader, schedule, train_set, blocks: list[list[int]], val_indices: list[int]):
+    def __init__(self, reader, schedule, train_set, blocks: list[list[int]], pinned_samples: list[int]):
+        """`pinned_samples`: what training reads at any time (validation, the targets' check): their shards
+        are kept all run."""
         self.reader, self.total_steps = reader, schedule.total_steps
         self.control = StreamControl(reader.folder)
         self.waiter = ShardWaiter(reader.folder)
@@ -48,7 +50,7 @@ class TrainStream:
                     self.first_steps.append(step)
                     self.epochs.append(epoch)
                 step += steps
-        self.pinned = sorted({reader.index[i][0] for i in val_indices})
+        self.pinned = sorted({reader.index[i][0] for i in pinned_samples})
 
     def position(self, step: int) -> int:
         """The position a run at `step` (steps done) reads next; len(positions) once all are read."""
