@@ -10,6 +10,11 @@ i % nodes. The time of a node is its tokens over the slower of two rates, both g
 line and printed: the verifier's forward (`--node-tokens-per-s`) and the disk write of the states
 (`--node-write-gb-s`); with a shared filesystem, the nodes' writes together are bounded by its
 aggregate bandwidth (`--fs-write-gb-s`).
+
+Both modes side by side (docs/STREAMING.md): offline keeps every shard on disk and runs the verifier
+once; streamed (extract.mode 'stream') holds at most `--stream-window` shards plus the validation
+shards (`--val-fraction` of them, held out whole) and runs the verifier once per epoch (`--epochs`),
+while the draft trains: the same rates, `--epochs` times the extraction, no disk to rent for it.
 """
 
 from __future__ import annotations
@@ -54,6 +59,9 @@ def main() -> None:
                    help="one node's extraction rate, compute bound (default: derived in docs/SCALE.md)")
     p.add_argument("--node-write-gb-s", type=float, default=1.16, help="one node's write rate (measured: H200 node)")
     p.add_argument("--fs-write-gb-s", type=float, default=None, help="the shared filesystem's aggregate write rate")
+    p.add_argument("--epochs", type=int, default=3, help="train.epochs: verifier passes when streamed")
+    p.add_argument("--stream-window", type=int, default=16, help="extract.stream_window, shards")
+    p.add_argument("--val-fraction", type=float, default=0.005, help="train.val_fraction: shards held out whole")
     a = p.parse_args()
 
     shards = plan_shards(Rows(a.conversations, a.tokens), "plan", a.shard_tokens)
@@ -74,14 +82,20 @@ def main() -> None:
                      "disk_written_per_node_tb": round(node_tokens * per_token / 1e12, 2),
                      "host_buffers_gb_per_node": summary["host_buffers_gb_per_worker"],
                      "node_tokens_per_s": round(rate), "bound": "compute" if rate == a.node_tokens_per_s else "disk",
-                     "expected_time": format_seconds(math.ceil(node_tokens / rate))})
+                     "expected_time": format_seconds(math.ceil(node_tokens / rate)),
+                     "streamed_extraction_time": format_seconds(math.ceil(a.epochs * node_tokens / rate))})
+    held_out = math.ceil(a.val_fraction * len(shards))
+    stream_shards = min(len(shards), a.stream_window + held_out)  # per node: each producer rank its own share
     print(plan.describe().splitlines()[0])
     print(json.dumps({"plan": {k: summary[k] for k in ("samples", "tokens", "shards", "bytes_total_gb",
                                                       "host_buffers_gb_per_worker")},
                       "shard_gb": round(shards[0].tokens * per_token / 1e9, 2), "bytes_per_token": per_token,
                       "rates": {"node_tokens_per_s": a.node_tokens_per_s, "node_write_gb_s": a.node_write_gb_s,
                                 "fs_write_gb_s": a.fs_write_gb_s},
-                      "nodes": rows}, indent=1))
+                      "nodes": rows,
+                      "stream": {"disk_peak_gb": round(stream_shards * shards[0].tokens * per_token / 1e9, 1),
+                                 "window_shards": a.stream_window, "validation_shards": held_out,
+                                 "verifier_passes": a.epochs}}, indent=1))
 
 
 if __name__ == "__main__":

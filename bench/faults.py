@@ -18,6 +18,11 @@ Kinds (`--kinds`, default all):
   systemd's KillMode=process, a container runtime) or SIGINT to its whole group (a terminal's Ctrl-C).
   Each trial also requires the CLI's exit code 128 + the signal and every process of the run gone
   within 10 s; then the re-run must end identical, as after a kill.
+- kill-stream: the same for a streamed training (extract.mode 'stream', docs/STREAMING.md: the verifier
+  extracts while the draft trains, two shards on disk at a time, every epoch extracted again); the
+  shards a re-run extracted again count as redone.
+- producer: a streamed training whose producer processes alone get SIGKILL at a drawn time: the stage
+  must start them again, alone, and end with the uninterrupted streamed run's draft without a re-run.
 - damage: a complete extraction folder with one fault each (flipped byte, truncated, deleted,
   appended garbage, a shard of other layers or other data under its name, a flipped byte with size
   and mtime kept, damaged or deleted manifest and journal). Training is given the damaged folder
@@ -59,12 +64,13 @@ from bench.fault_injection.kinds import (  # noqa: E402
     disk_trials,
     kill_trials,
     part_trials,
+    producer_trials,
 )
 from bench.fault_injection.report import from_logs, markdown, summarize, write_figures  # noqa: E402
 from bench.fault_injection.stages import Inputs, log, stage_main  # noqa: E402
 
-KINDS = ("kill-regenerate", "kill-extract-1", "kill-extract-2", "kill-train", "kill-flow", "term-flow", "int-flow",
-         "damage", "checkpoint", "parts", "disk", "concurrent")
+KINDS = ("kill-regenerate", "kill-extract-1", "kill-extract-2", "kill-train", "kill-stream", "kill-flow", "term-flow",
+         "int-flow", "producer", "damage", "checkpoint", "parts", "disk", "concurrent")
 
 
 def run_suite(inputs: Inputs, kinds: list[str], trials: int, seed: int, trials_for: dict[str, int]) -> list[Trial]:
@@ -73,6 +79,8 @@ def run_suite(inputs: Inputs, kinds: list[str], trials: int, seed: int, trials_f
     for kind in kinds:
         if kind.startswith(("kill-", "term-", "int-")):
             results += kill_trials(inputs, kind, trials_for.get(kind, trials), rng)
+        elif kind == "producer":
+            results += producer_trials(inputs, trials_for.get(kind, trials), rng)
         elif kind == "damage":
             results += damage_trials(inputs)
         elif kind == "checkpoint":

@@ -4,6 +4,7 @@ file damaged; a full disk; two runs on one folder."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -15,6 +16,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 from bench.fault_injection.outputs import (
     Temporaries,
@@ -58,7 +61,7 @@ def kill_trials(inputs: Inputs, kind: str, kills: int, rng: random.Random) -> li
     how, stage = kind.split("-", 1)
     what, signum = STOPS[how]
     ref_out, wall = inputs.reference(stage)
-    out_of = {"flow": train_folder}.get(stage.split("-")[0], lambda out: out)
+    out_of = {"flow": train_folder, "stream": lambda out: out / "train"}.get(stage.split("-")[0], lambda out: out)
     results: list[Trial] = []
     landed = 0
     for i in range(2 * kills):
@@ -99,6 +102,41 @@ def kill_trials(inputs: Inputs, kind: str, kills: int, rng: random.Random) -> li
         log(f"{kind} {landed}/{kills}: {trial}")
         shutil.rmtree(out, ignore_errors=True)
         shutil.rmtree(inputs.work / f"watch-{kind}-{i}", ignore_errors=True)
+    return results
+
+
+def producer_trials(inputs: Inputs, kills: int, rng: random.Random) -> list[Trial]:
+    """A streamed training whose producer processes alone get SIGKILL at a drawn time: the stage must
+    start them again, alone, and end with the uninterrupted streamed run's draft, without a re-run."""
+    ref_out, wall = inputs.reference("stream")
+    results = []
+    for i in range(kills):
+        out = inputs.work / f"producer-{i}"
+        shutil.rmtree(out, ignore_errors=True)
+        logfile = out.with_suffix(".log")
+        logfile.unlink(missing_ok=True)
+        kill_at = rng.uniform(0, wall)
+        with logfile.open("a") as sink:
+            stage = subprocess.Popen(inputs.command("stream", out), stdout=sink, stderr=subprocess.STDOUT, env=ENV,
+                                     cwd=ROOT, start_new_session=True)
+            time.sleep(kill_at)
+            killed = [p for p in psutil.process_iter(["cmdline"]) if stage.poll() is None
+                      and "tasks.extract.stream" in " ".join(p.info["cmdline"] or []) and p.pid != stage.pid]
+            for p in killed:
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
+            code = stage.wait()
+        trial = Trial("producer", f"producer killed at {kill_at:.1f} s" + ("" if killed else " (none running)"), False)
+        restarted = "started again, alone" in logfile.read_text()
+        if code != 0:
+            trial.ok, trial.note = False, f"the stage failed (exit {code}), see {logfile}"
+        else:
+            trial.identical, trial.note = same_training(out / "train", ref_out / "train")
+            trial.ok = restarted or not killed
+            trial.note += "producer started again" if restarted else ""
+        results.append(trial)
+        log(f"producer {i + 1}/{kills}: {trial}")
+        shutil.rmtree(out, ignore_errors=True)
     return results
 
 

@@ -93,11 +93,12 @@ def snapshot(stage: str, out: Path) -> dict:
     """What a kill left finished: shard files (inode, mtime), conversations written, the training log."""
     from tasks.train.checkpoints import checkpoint_dirs
 
-    hidden = out / "hidden_states" if stage == "flow" else out
+    hidden = out / "hidden_states" if stage in ("flow", "stream") else out
     state = {"shards": {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in hidden.glob("shard-*.safetensors")}}
     if stage == "regenerate":
         state["recorded"] = recorded_conversations(out)
-    trains = [out] if stage == "train" else list((out / "train").glob("*")) if stage == "flow" else []
+    trains = ([out] if stage == "train" else list((out / "train").glob("*")) if stage == "flow" else
+              [out / "train"] if stage == "stream" else [])
     if trains and (trains[0] / "metrics.jsonl").is_file():
         steps = [json.loads(line)["step"] for line in (trains[0] / "metrics.jsonl").read_text().splitlines()
                  if line.endswith("}")]
@@ -110,7 +111,7 @@ def snapshot(stage: str, out: Path) -> dict:
 def redone(stage: str, before: dict, out: Path) -> int:
     """Finished work the re-run did again: shards rewritten, conversations written again, steps
     logged before the kill past the checkpoint it resumed from (the log's granularity is log_every)."""
-    hidden = out / "hidden_states" if stage == "flow" else out
+    hidden = out / "hidden_states" if stage in ("flow", "stream") else out
     rewritten = sum(1 for name, ident in before["shards"].items()
                     if (p := hidden / name).is_file() and (p.stat().st_ino, p.stat().st_mtime_ns) != ident)
     again = 0

@@ -29,6 +29,9 @@ TRAIN = {"epochs": 3, "total_seq_len": 256, "lr": 2e-3, "eval_every": 4, "log_ev
 REGENERATE = {"enabled": True, "backend": "transformers", "max_new_tokens": 6, "max_turns": 1, "chunk_size": 2,
               "batch_size": 2}
 REGENERATE_ROWS, REGENERATE_PROMPT_TOKENS = 6, 128  # 3 chunks
+# extract.mode 'stream' (kill-stream, producer): a shard per block, a window of two, every epoch extracted again
+STREAM = {**EXTRACT, "mode": "stream", "stream_window": 2}
+STREAM_TRAIN = {**TRAIN, "shuffle_block_shards": 1}
 
 
 @dataclass
@@ -67,6 +70,15 @@ class Inputs:
                        settings=TRAIN)
         return {"train": asdict(job), "manifest_fp": "bench", "vocab_fp": self.vocab.fingerprint}
 
+    def stream_job(self, out: Path) -> dict:
+        """A streamed training (its extraction job, then the training job over the manifest it writes)."""
+        from tasks.train.job import TrainJob
+
+        extract = self.extract_job(out / "hidden_states", **STREAM)
+        train = TrainJob("", self.prepared.path, self.vocab.path, self.smollm2, str(out / "train"), [2, 15, 27],
+                         settings=STREAM_TRAIN)
+        return {**extract, "train": asdict(train), "manifest_fp": "bench", "vocab_fp": self.vocab.fingerprint}
+
     def regenerate_job(self, out: Path) -> dict:
         from tasks.prepare.regenerate import RegenerateJob
 
@@ -87,7 +99,8 @@ class Inputs:
             return [sys.executable, "-m", "flows.cli", "run", str(config)]
         stage = kind.split("-")[0]
         job = {"extract": lambda: self.extract_job(out, workers=int(kind.split("-")[1])),
-               "train": lambda: self.train_job(out), "regenerate": lambda: self.regenerate_job(out)}[stage]()
+               "train": lambda: self.train_job(out), "regenerate": lambda: self.regenerate_job(out),
+               "stream": lambda: self.stream_job(out)}[stage]()
         job_file = out.parent / f"{out.name}.job.json"
         job_file.write_text(json.dumps(job))
         return [sys.executable, str(ENTRY_POINT), "stage", str(job_file)]
@@ -171,7 +184,14 @@ def stage_main(job_file: str) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     job = json.loads(Path(job_file).read_text())
-    if "extract" in job:
+    if "extract" in job and "train" in job:  # streamed: the stream manifest, then training produces the shards
+        from tasks.extract.stage import ExtractJob, run_extraction
+        from tasks.train.job import TrainJob
+        from tasks.train.stage import run_training
+
+        manifest = run_extraction(ExtractJob(**job["extract"])).manifest
+        result = run_training(TrainJob(**{**job["train"], "manifest": manifest}), job["manifest_fp"], job["vocab_fp"])
+    elif "extract" in job:
         from tasks.extract.stage import ExtractJob, run_extraction
 
         result = run_extraction(ExtractJob(**job["extract"]))
