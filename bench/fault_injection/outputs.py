@@ -104,7 +104,8 @@ def snapshot(stage: str, out: Path) -> dict:
                  if line.endswith("}")]
         checkpoints = checkpoint_dirs(trains[0])
         resume = int(checkpoints[-1].name.removeprefix("step-")) if checkpoints else 0
-        state["steps_past_checkpoint"] = max(steps, default=0) - resume
+        # a checkpoint past the last log record (a stream checkpoints at block ends too): none redone
+        state["steps_past_checkpoint"] = max(0, max(steps, default=0) - resume)
     return state
 
 

@@ -17,7 +17,8 @@ def summarize(trials: list[Trial]) -> list[dict]:
         ts = [t for t in trials if t.kind == kind]
         reads = [t.temporaries_read for t in ts if t.temporaries_read is not None]
         rows.append({"kind": kind, "trials": len(ts),
-                     "faults injected": sum("after the run ended" not in t.fault for t in ts),
+                     "faults injected": sum(not any(s in t.fault for s in ("after the run ended", "none running"))
+                                            for t in ts),
                      "identical": sum(t.identical for t in ts),
                      "handled as promised": sum(t.ok for t in ts),
                      "most finished work redone": max(t.redone for t in ts),

@@ -167,7 +167,10 @@ def produce(job: ExtractJob, rank: int = 0, world_size: int = 1, callback: Progr
             if control.stopped():
                 return
             time.sleep(POLL_S)
-        total = sum(specs[i].tokens for position in sequence["positions"] for i in position if i % world_size == rank)
+        # this rank's work from the release point on: the kept shards, then every block left (again each epoch)
+        mine = [i for i in sequence["pinned"] if i % world_size == rank] + [
+            i for position in sequence["positions"][control.released():] for i in position if i % world_size == rank]
+        total = sum(specs[i].tokens for i in mine)
         progress = Progress(f"extract (streamed) [{rank}/{world_size}]", total, "tok", callback)
         while not control.stopped():
             released = control.released()
