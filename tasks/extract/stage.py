@@ -193,7 +193,7 @@ def _run_extraction(job: ExtractJob, in_process: bool, callback: ProgressCallbac
         on_plan(plan)
     offline_manifest = manifest_path(out_dir, plan.fingerprint, job.prepared_fingerprint)
     if s.mode == "stream" and not offline_manifest.is_file():  # (a finished offline extraction is read as it is)
-        return stream_result(job, plan, prepared, out_dir, t0)
+        return stream_result(job, plan, prepared, offline_manifest.with_name(f"stream-{offline_manifest.name}"), t0)
     check_disk(plan, out_dir, s.reserve_disk_gb)
     if plan.pending:  # a complete folder allocates no buffers
         check_host_memory(plan, s.workers)
@@ -237,7 +237,7 @@ def _run_extraction(job: ExtractJob, in_process: bool, callback: ProgressCallbac
              plan.samples, plan.tokens, len(plan.shards), manifest)
     return ExtractResult(
         manifest=str(manifest),
-        fingerprint=hashlib.sha256((plan.fingerprint + job.prepared_fingerprint).encode()).hexdigest(),
+        fingerprint=result_fingerprint(plan, job),
         layers=plan.layers, samples=plan.samples, tokens=plan.tokens, shards=len(plan.shards),
         shards_extracted=shards_pending,
         verifier_loaded=pending_tokens > 0,
@@ -247,24 +247,28 @@ def _run_extraction(job: ExtractJob, in_process: bool, callback: ProgressCallbac
     )
 
 
-def stream_result(job: ExtractJob, plan: ExtractionPlan, prepared, out_dir: Path, t0: float) -> ExtractResult:
+def result_fingerprint(plan: ExtractionPlan, job: ExtractJob) -> str:
+    """What a manifest holds (the extraction settings and the prepared data), offline or streamed alike:
+    training's cache key, so a streamed and an offline run of the same inputs share a draft."""
+    return hashlib.sha256((plan.fingerprint + job.prepared_fingerprint).encode()).hexdigest()
+
+
+def stream_result(job: ExtractJob, plan: ExtractionPlan, prepared, path: Path, t0: float) -> ExtractResult:
     """extract.mode 'stream': nothing is extracted here. The manifest of the shards to come (the training
     stage produces them while it trains, tasks/extract/stream.py), once the disk is known to hold the window."""
     s = job.extract_settings
     window_bytes = s.stream_window * max(spec.tokens for spec in plan.shards) * plan.bytes_per_token
     if plan.free_bytes < window_bytes + s.reserve_disk_gb * 1e9:
-        raise ExtractError(f"not enough disk in {out_dir} for a window of {s.stream_window} shards: "
+        raise ExtractError(f"not enough disk in {path.parent} for a window of {s.stream_window} shards: "
                            f"{format_bytes(window_bytes)} + {format_bytes(s.reserve_disk_gb * 1e9)} reserve > "
                            f"{format_bytes(plan.free_bytes)} free")
-    offline = manifest_path(out_dir, plan.fingerprint, job.prepared_fingerprint)
-    path = write_stream_manifest(plan, job.prepared_fingerprint, out_dir, prepared["seq_len"], job,
-                                 offline.with_name(f"stream-{offline.name}"))
+    write_stream_manifest(plan, job.prepared_fingerprint, prepared["seq_len"], job, path)
     log.info("extraction streamed while the draft trains: %d shards of %s tokens, at most %d on disk at a time "
              "(%s, besides the validation shards) -> %s", len(plan.shards), f"{plan.tokens:,}", s.stream_window,
              format_bytes(window_bytes), path)
     return ExtractResult(
         manifest=str(path),
-        fingerprint=hashlib.sha256((plan.fingerprint + job.prepared_fingerprint).encode()).hexdigest(),
+        fingerprint=result_fingerprint(plan, job),
         layers=plan.layers, samples=plan.samples, tokens=plan.tokens, shards=len(plan.shards), shards_extracted=0,
         verifier_loaded=False, wall_s=round(time.monotonic() - t0, 2), steady_tokens_per_s=None,
         wall_tokens_per_s=None, streamed=True)

@@ -127,7 +127,7 @@ def window_shards(sequence: dict, released: int, window: int) -> list[int]:
     return wanted + [s for s in ahead if s not in wanted]
 
 
-def write_stream_manifest(plan, prepared_fp: str, out_dir: Path, lengths, job: ExtractJob, path: Path) -> Path:
+def write_stream_manifest(plan, prepared_fp: str, lengths, job: ExtractJob, path: Path) -> Path:
     """The manifest of a streamed extraction: the offline manifest's shards, fingerprints and lengths
     (training plans its steps from them) without checksums (each shard is checked against its own
     when it is read), and how to produce them (`stream.job`, the extraction job)."""
