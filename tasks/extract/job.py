@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,11 +16,35 @@ import torch
 from tasks.common.progress import ProgressCallback
 from tasks.common.verifier import VerifierInfo, inspect_verifier
 from tasks.common.workers import run_processes, worker_command, write_job_file
-from tasks.extract.plan import ExtractError
+from tasks.extract.plan import ExtractError, ExtractionPlan
+from tasks.extract.shards import SHARD_FORMAT, STORED_DTYPES, ShardSpec
 
 
 def manifest_path(out_dir: Path, extraction_fp: str, prepared_fp: str) -> Path:
     return out_dir / f"manifest-{hashlib.sha256((extraction_fp + prepared_fp).encode()).hexdigest()[:16]}.json"
+
+
+def manifest_content(plan: ExtractionPlan, prepared_fp: str, lengths,
+                     checksum: Callable[[ShardSpec], str | None]) -> dict:
+    """A manifest: the plan's shards, each with its fingerprint, `checksum(spec)` (None for a streamed
+    shard not written yet: checked against its own when read), rows, sample ids and lengths."""
+    return {
+        "format": SHARD_FORMAT,
+        "extraction_fingerprint": plan.fingerprint,
+        "prepared_fingerprint": prepared_fp,
+        "verifier": plan.verifier,
+        "verifier_fingerprint": plan.verifier_fingerprint,
+        "layers": plan.layers,
+        "hidden_size": plan.hidden_size,
+        "dtype": STORED_DTYPES[plan.storage_dtype],
+        "samples": plan.samples,
+        "tokens": plan.tokens,
+        "shards": [
+            {"name": s.name, "fingerprint": s.fingerprint, "checksum": checksum(s), "tokens": s.tokens,
+             "rows": list(s.rows), "sample_ids": list(s.sample_ids), "lengths": [lengths[r] for r in s.rows]}
+            for s in plan.shards
+        ],
+    }
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from tasks.extract.job import (
     ExtractResult,
     load_inputs,
     make_backend,
+    manifest_content,
     manifest_path,
     run_worker_processes,
 )
@@ -46,8 +47,6 @@ from tasks.extract.plan import (
     make_plan,
 )
 from tasks.extract.shards import (
-    SHARD_FORMAT,
-    STORED_DTYPES,
     ShardError,
     read_metadata,
     shard_journal,
@@ -117,24 +116,7 @@ def check_shard(spec, path: Path, plan: ExtractionPlan, prepared, full: bool) ->
 
 
 def write_manifest(plan: ExtractionPlan, prepared_fp: str, out_dir: Path, lengths) -> Path:
-    manifest = {
-        "format": SHARD_FORMAT,
-        "extraction_fingerprint": plan.fingerprint,
-        "prepared_fingerprint": prepared_fp,
-        "verifier": plan.verifier,
-        "verifier_fingerprint": plan.verifier_fingerprint,
-        "layers": plan.layers,
-        "hidden_size": plan.hidden_size,
-        "dtype": STORED_DTYPES[plan.storage_dtype],
-        "samples": plan.samples,
-        "tokens": plan.tokens,
-        "shards": [
-            {"name": s.name, "fingerprint": s.fingerprint, "checksum": read_metadata(out_dir / s.name)["checksum"],
-             "tokens": s.tokens, "rows": list(s.rows), "sample_ids": list(s.sample_ids),
-             "lengths": [lengths[r] for r in s.rows]}
-            for s in plan.shards
-        ],
-    }
+    manifest = manifest_content(plan, prepared_fp, lengths, lambda s: read_metadata(out_dir / s.name)["checksum"])
     path = manifest_path(out_dir, plan.fingerprint, prepared_fp)
     tmp = path.with_name(f".tmp-{path.name}")
     with tmp.open("w") as f:

@@ -34,9 +34,8 @@ from pathlib import Path
 from tasks.common.errors import is_deterministic
 from tasks.common.progress import Progress, ProgressCallback, format_bytes
 from tasks.common.workers import rank_worker_main
-from tasks.extract.job import ExtractJob, load_inputs, make_backend, run_worker_processes
+from tasks.extract.job import ExtractJob, load_inputs, make_backend, manifest_content, run_worker_processes
 from tasks.extract.plan import ExtractError, make_plan
-from tasks.extract.shards import SHARD_FORMAT, STORED_DTYPES
 from tasks.extract.writer import extract_shards
 
 log = logging.getLogger(__name__)
@@ -100,7 +99,6 @@ class StreamControl:
         """The stage said stop, or died (this process was handed to another parent): no producer outlives it."""
         return (self.dir / "stop").exists() or os.getppid() != self.parent
 
-
     # the stage's side
     def stop(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -131,16 +129,8 @@ def write_stream_manifest(plan, prepared_fp: str, lengths, job: ExtractJob, path
     """The manifest of a streamed extraction: the offline manifest's shards, fingerprints and lengths
     (training plans its steps from them) without checksums (each shard is checked against its own
     when it is read), and how to produce them (`stream.job`, the extraction job)."""
-    manifest = {
-        "format": SHARD_FORMAT, "extraction_fingerprint": plan.fingerprint, "prepared_fingerprint": prepared_fp,
-        "verifier": plan.verifier, "verifier_fingerprint": plan.verifier_fingerprint, "layers": plan.layers,
-        "hidden_size": plan.hidden_size, "dtype": STORED_DTYPES[plan.storage_dtype], "samples": plan.samples,
-        "tokens": plan.tokens, "bytes_per_token": plan.bytes_per_token,
-        "stream": {"window": job.extract_settings.stream_window, "job": asdict(job)},
-        "shards": [{"name": s.name, "fingerprint": s.fingerprint, "checksum": None, "tokens": s.tokens,
-                    "rows": list(s.rows), "sample_ids": list(s.sample_ids), "lengths": [lengths[r] for r in s.rows]}
-                   for s in plan.shards],
-    }
+    manifest = manifest_content(plan, prepared_fp, lengths, lambda s: None)
+    manifest["stream"] = {"window": job.extract_settings.stream_window, "job": asdict(job)}
     write_whole(path, manifest)
     return path
 
