@@ -16,7 +16,8 @@ from tasks.common.demo_assets import resolve_config
 from tasks.preflight import check_before_run
 
 
-@flow(name="eagle3-draft", flow_run_name=run_name)
+# its result persisted: a state read back from the API (the run's record, or a retried request's answer) still has it
+@flow(name="eagle3-draft", flow_run_name=run_name, persist_result=True)
 def eagle3_pipeline(config: PipelineConfig) -> dict:
     config = resolve_config(config)  # demo://... paths become local assets (built once)
     check_before_run(config)  # paths, data, output folder, layers: what fails without loading a model

@@ -13,6 +13,9 @@ cluster, through prefect-ray's `RayTaskRunner`. Design and a worked plan: docs/S
                                one `regenerate-rank` task per rank (chunk c by rank c % N), then
                                one task writes the conversations file in source order
     synthesize_on_ray          prompt synthesis (before regeneration) as one rank on the cluster
+    train_on_ray               training through Ray Train (tasks/train/on_ray.py); for a streamed
+                               extraction, its producers meanwhile, as `extract (streamed)` rank
+                               tasks on the accelerators training leaves free (docs/STREAMING.md)
 
 While the ranks run, the flow's process holds the stage folder's lock (tasks/common/folder_lock.py): a
 second run on the folder is refused, as locally.
@@ -48,9 +51,14 @@ from tasks.common.folder_lock import folder_lock
 from tasks.common.progress import ProgressCallback, ProgressEvent
 from tasks.common.workers import follow, run_processes, worker_command, write_job_file
 from tasks.extract.plan import check_disk, make_plan
+from tasks.extract.shards import read_manifest
 from tasks.extract.stage import ExtractJob, ExtractResult, load_inputs, run_extraction
+from tasks.extract.stream import producing
 from tasks.prepare.regenerate import RegenerateJob, write_regenerated
 from tasks.prepare.synthesize import SynthesizeJob, write_synthesized
+from tasks.train.job import TrainJob, TrainResult
+from tasks.train.on_ray import run_training_on_ray
+from tasks.train.stage import stream_report
 
 log = logging.getLogger(__name__)
 
@@ -211,6 +219,8 @@ def extract_on_ray(cluster: ClusterSettings, job: ExtractJob, *, on_plan=None,
     s = job.extract_settings
     out_dir = Path(job.out_dir).resolve()
     job = replace(job, out_dir=str(out_dir), prepared_path=str(Path(job.prepared_path).resolve()))
+    if s.mode == "stream":  # only the manifest of the shards to come: train_on_ray runs their producers
+        return run_extraction(job, on_plan=on_plan, callback=callback)
     prepared, verifier, layers = load_inputs(job)
     plan = make_plan(prepared, verifier, layers, out_dir, compute_dtype=job.compute_dtype, shard_tokens=s.shard_tokens,
                      storage_dtype=s.storage_dtype)
@@ -241,6 +251,50 @@ def extract_on_ray(cluster: ClusterSettings, job: ExtractJob, *, on_plan=None,
     return replace(verified, shards_extracted=pending_shards, verifier_loaded=pending_tokens > 0,
                    wall_s=round(time.monotonic() - t0, 2), steady_tokens_per_s=round(steady, 1) if steady else None,
                    wall_tokens_per_s=round(pending_tokens / extract_s, 1) if pending_tokens else None)
+
+
+# ---------------------------------------------------------------------------- training
+
+
+def train_on_ray(cluster: ClusterSettings, job: TrainJob, manifest_fp: str, vocab_fp: str, *,
+                 callback: ProgressCallback | None = None,
+                 stream_callback: ProgressCallback | None = None) -> TrainResult:
+    """The train stage on the cluster: Ray Train's processes on cluster.train_nodes nodes. For a streamed
+    extraction, its producers run meanwhile as rank tasks (chunk of shards i by rank i % N, each on the
+    accelerators its backend needs) wherever the cluster has accelerators training does not take: the
+    shared shard folder is their only meeting point, and the flow holds its lock while they run."""
+    manifest = read_manifest(job.manifest)
+    if "stream" not in manifest:
+        return run_training_on_ray(job, manifest_fp, vocab_fp, nodes=cluster.train_nodes,
+                                   accelerator=cluster.accelerator, callback=callback)
+    s = ExtractJob(**manifest["stream"]["job"]).extract_settings
+    per_rank = s.tensor_parallel_size if s.backend == "vllm" else 1
+    with folder_lock(Path(job.manifest).parent, "extraction"), ray_runner(cluster) as runner:
+        ranks = producer_ranks(cluster, per_rank, cluster.train_nodes * job.train_settings.nproc)
+
+        def run_producers(extract_job: ExtractJob, progress: ProgressCallback | None) -> None:
+            run_ranks(runner, cluster, "extract (streamed)", "tasks.extract.stream", extract_job, ranks, per_rank,
+                      progress)
+
+        with producing(manifest, run_producers, stream_callback) as control:
+            result = run_training_on_ray(job, manifest_fp, vocab_fp, nodes=cluster.train_nodes,
+                                         accelerator=cluster.accelerator, callback=callback)
+    return replace(result, stream=stream_report(control.reports(), manifest))
+
+
+def producer_ranks(cluster: ClusterSettings, per_rank: int, training: int) -> int:
+    """Producer ranks for streaming beside `training` accelerators: cluster.ranks, or as many as the rest
+    hold. Both must fit at once (a trainer waiting for a producer Ray cannot place would wait forever)."""
+    import ray
+
+    total = int(ray.cluster_resources().get(cluster.accelerator, 0))
+    ranks = cluster.ranks or (total - training) // per_rank
+    if ranks < 1 or ranks * per_rank + training > total:
+        raise ClusterError(
+            f"streaming on Ray runs training ({training} '{cluster.accelerator}') and the verifier's producer ranks "
+            f"({max(ranks, 1)} x {per_rank}) at once, but the cluster advertises {total}: add nodes, lower "
+            "cluster.train_nodes or cluster.ranks, or extract offline (extract.mode: offline)")
+    return ranks
 
 
 # ---------------------------------------------------------------------------- regeneration

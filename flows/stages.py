@@ -211,15 +211,16 @@ def train_task(config: PipelineConfig, prepared: PreparedData, extracted: Extrac
                vocab: VocabResult) -> TrainResult:
     job = _train_job(config, prepared, extracted, vocab)
     progress = ProgressArtifact("draft training")
-    if config.cluster.executor == "ray":  # across cluster.train_nodes nodes, through Ray Train (tasks/train/on_ray.py)
-        from tasks.train.on_ray import run_training_on_ray
+    # a streamed extraction runs beside training (tasks/extract/stream.py), with its own progress
+    streaming = ProgressArtifact("hidden-state extraction, streamed") if extracted.streamed else None
+    if config.cluster.executor == "ray":  # across cluster.train_nodes nodes, through Ray Train (flows/ray_stages.py)
+        from flows.ray_stages import train_on_ray
 
-        result = run_training_on_ray(job, extracted.fingerprint, vocab.fingerprint, nodes=config.cluster.train_nodes,
-                                     accelerator=config.cluster.accelerator, callback=progress)
-    else:  # a streamed extraction runs here, beside training (tasks/extract/stream.py), with its own progress
+        result = train_on_ray(config.cluster, job, extracted.fingerprint, vocab.fingerprint, callback=progress,
+                              stream_callback=streaming)
+    else:
         result = run_training(job, extracted.fingerprint, vocab.fingerprint, callback=progress,
-                              stream_callback=ProgressArtifact("hidden-state extraction, streamed")
-                              if extracted.streamed else None)
+                              stream_callback=streaming)
     metrics = read_metrics(job.out_dir)
     val = [m for m in metrics if m["split"] == "val"]
     create_table_artifact(

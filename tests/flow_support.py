@@ -38,3 +38,8 @@ def task_states(flow_run_id) -> dict[str, tuple[str, int]]:
     from flows.cli import recorded_task_runs
 
     return {r.name.rsplit("-", 1)[0]: (r.state.name, r.run_count) for r in recorded_task_runs(flow_run_id)}
+
+
+def untimed(metrics: list[dict]) -> list[dict]:
+    """Training metrics without their rates, which differ between equal runs."""
+    return [{k: v for k, v in m.items() if k != "tokens_per_s"} for m in metrics]

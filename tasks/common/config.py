@@ -303,7 +303,9 @@ class ClusterSettings(Section):
     ranks: int | None = Field(
         None, gt=0, description="ray: ranks of extraction (shard i goes to rank i % ranks) and of answer "
         "regeneration (chunk c to rank c % ranks); default: as many as the cluster's accelerators hold at once "
-        "(regeneration and transformers extraction: 1 per rank; vLLM extraction: extract.tensor_parallel_size).")
+        "(regeneration and transformers extraction: 1 per rank; vLLM extraction: extract.tensor_parallel_size). "
+        "With extract.mode 'stream', the producer ranks running beside training; default: as many as the "
+        "accelerators training leaves hold.")
     train_nodes: int = Field(
         1, gt=0, description="ray: nodes training spreads over, train.nproc processes on each. The global batch "
         "stays train.nproc x train.grad_accum_steps micro-batches (each process accumulates "
@@ -353,9 +355,6 @@ class PipelineConfig(Section):
         if self.extract.packing:
             raise ValueError("extract.packing runs batches across shard boundaries; a stream extracts a block at a "
                              "time: use extract.mode 'stream' without packing")
-        if self.cluster.executor == "ray":
-            raise ValueError("extract.mode 'stream' runs on one machine for now (cluster.executor 'local'); on Ray, "
-                             "extract offline")
 
     @property
     def output_path(self) -> Path:

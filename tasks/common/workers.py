@@ -414,6 +414,9 @@ def worker_failure(failed: dict[int, int], progress_files: list[Path], label: st
     return exc
 
 
+EXIT_POLL_S = 0.05
+
+
 def follow(running: Callable[[], bool], progress_files: list[Path], callback: ProgressCallback | None,
            poll_s: float, work: str = "extract") -> None:
     """While `running()`, pass the merged progress of the files to `callback` when it changes (the
@@ -428,4 +431,6 @@ def follow(running: Callable[[], bool], progress_files: list[Path], callback: Pr
             last = merged
         if not still_running:
             break  # read once more after the last exit: the workers' final events
-        time.sleep(poll_s)
+        deadline = time.monotonic() + poll_s
+        while time.monotonic() < deadline and running():  # progress every poll_s, the last exit seen at once
+            time.sleep(EXIT_POLL_S)

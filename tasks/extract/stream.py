@@ -21,12 +21,14 @@ mark (bytes of shards on disk) to `report-<rank>.json`.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -125,6 +127,15 @@ def window_shards(sequence: dict, released: int, window: int) -> list[int]:
     return wanted + [s for s in ahead if s not in wanted]
 
 
+def shard_sizes(out_dir: Path) -> list[int]:
+    """Bytes of each shard file on disk now (another rank may delete one meanwhile)."""
+    sizes = []
+    for path in out_dir.glob("shard-*.safetensors"):
+        with contextlib.suppress(FileNotFoundError):
+            sizes.append(path.stat().st_size)
+    return sizes
+
+
 def write_stream_manifest(plan, prepared_fp: str, lengths, job: ExtractJob, path: Path) -> Path:
     """The manifest of a streamed extraction: the offline manifest's shards, fingerprints and lengths
     (training plans its steps from them) without checksums (each shard is checked against its own
@@ -150,8 +161,8 @@ def produce(job: ExtractJob, rank: int = 0, world_size: int = 1, callback: Progr
     backend.load(callback)  # while the trainer starts: it publishes its sequence once it knows its schedule
     report = control.dir / f"report-{rank}.json"
     before = read_json(report) or {}  # this rank's earlier process in this attempt, if it died
-    high_water, produced, deleted = (before.get(k, 0)
-                                     for k in ("high_water_bytes", "shards_produced", "shards_deleted"))
+    high_water, largest, produced, deleted = (before.get(k, 0) for k in (
+        "high_water_bytes", "largest_shard_bytes", "shards_produced", "shards_deleted"))
     try:
         while (sequence := control.sequence()) is None:
             if control.stopped():
@@ -184,8 +195,8 @@ def produce(job: ExtractJob, rank: int = 0, world_size: int = 1, callback: Progr
             extract_shards(block, plan, prepared, out_dir, backend, batch_tokens=s.batch_tokens,
                            label=f"extract (streamed) [{rank}/{world_size}]")
             produced += len(block)
-            on_disk = sum(p.stat().st_size for p in out_dir.glob("shard-*.safetensors"))
-            high_water = max(high_water, on_disk)
+            sizes = shard_sizes(out_dir)
+            on_disk, high_water, largest = sum(sizes), max(high_water, sum(sizes)), max([largest, *sizes])
             progress.update(sum(spec.tokens for spec in block),
                             note=f"{len(keep)} shards in the window, {format_bytes(on_disk)} on disk")
         progress.close()
@@ -193,18 +204,29 @@ def produce(job: ExtractJob, rank: int = 0, world_size: int = 1, callback: Progr
         backend.close()
         write_whole(report, {
             "rank": rank, "high_water_bytes": high_water, "shards_produced": produced, "shards_deleted": deleted,
-            "largest_shard_bytes": max(spec.tokens for spec in specs) * plan.bytes_per_token})
+            "largest_shard_bytes": largest})  # files, not the plan's estimate: headers and token ids included
     log.info("streamed extraction [%d/%d]: %d shards produced, %d deleted, at most %s on disk", rank, world_size,
              produced, deleted, format_bytes(high_water))
 
 
+RunProducers = Callable[[ExtractJob, ProgressCallback | None], None]
+
+
+def local_producers(lock_fd: int) -> RunProducers:
+    """Producers as `extract.workers` processes on this machine, holding the shard folder's lock `lock_fd`
+    (on a Ray cluster, flows/ray_stages.py runs them as rank tasks instead)."""
+    return lambda job, callback: run_worker_processes("tasks.extract.stream", "streamed extraction worker", job,
+                                                      job.extract_settings.workers, callback, lock_fd)
+
+
 @contextmanager
-def producing(manifest: dict, lock_fd: int, callback: ProgressCallback | None = None) -> Iterator[StreamControl]:
-    """The producer processes of a streamed manifest (`extract.workers` of them), run while the caller
-    trains. One that dies without an error of its own (WorkerLost: OOM, a signal) is started again alone;
-    one that fails for good tells the trainer (which stops waiting) and its error is raised here, in
-    place of the trainer's. When the caller is done the producers are told to stop, and, after a
-    successful training, the stream's shards are deleted (but with extract.stream_cache_epochs: they
+def producing(manifest: dict, run_producers: RunProducers,
+              callback: ProgressCallback | None = None) -> Iterator[StreamControl]:
+    """The producers of a streamed manifest, run by `run_producers` (which returns when they end) while the
+    caller trains. Producers that die without an error of their own (WorkerLost: OOM, a signal, a lost node)
+    are started again alone; one that fails for good tells the trainer (which stops waiting) and its error
+    is raised here, in place of the trainer's. When the caller is done the producers are told to stop, and,
+    after a successful training, the stream's shards are deleted (but with extract.stream_cache_epochs: they
     are the offline extraction's shards, which a later offline run finds and reuses)."""
     job = ExtractJob(**manifest["stream"]["job"])
     control = StreamControl(job.out_dir)
@@ -214,8 +236,7 @@ def producing(manifest: dict, lock_fd: int, callback: ProgressCallback | None = 
     def keep_producing() -> None:
         for attempt in range(PRODUCER_RESTARTS + 1):
             try:
-                run_worker_processes("tasks.extract.stream", "streamed extraction worker", job,
-                                     job.extract_settings.workers, callback, lock_fd)
+                run_producers(job, callback)
                 return
             except Exception as e:
                 if control.stopped():
@@ -227,7 +248,9 @@ def producing(manifest: dict, lock_fd: int, callback: ProgressCallback | None = 
                 log.warning("streamed extraction: %s; started again, alone (%d of %d)", e, attempt + 1,
                             PRODUCER_RESTARTS)
 
-    producer = threading.Thread(target=keep_producing, name="streamed-extraction", daemon=True)
+    # in this thread's context: a Prefect task runner submits producer tasks as part of the caller's task run
+    producer = threading.Thread(target=contextvars.copy_context().run, args=(keep_producing,),
+                                name="streamed-extraction", daemon=True)
     producer.start()
     try:
         yield control

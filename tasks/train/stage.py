@@ -15,7 +15,7 @@ from tasks.common.folder_lock import folder_lock
 from tasks.common.progress import ProgressCallback
 from tasks.common.workers import run_processes
 from tasks.extract.shards import read_manifest
-from tasks.extract.stream import producing
+from tasks.extract.stream import local_producers, producing
 from tasks.train.data import check_inputs
 from tasks.train.job import TrainJob, TrainResult, train_fingerprint
 from tasks.train.loop import train_worker
@@ -35,7 +35,7 @@ def run_training(job: TrainJob, manifest_fp: str, vocab_fp: str, *, in_process: 
             result = _run_training(job, in_process, callback, lock_fd)
         else:
             with (folder_lock(Path(job.manifest).parent, "extraction") as shard_lock,
-                  producing(manifest, shard_lock, stream_callback) as control):
+                  producing(manifest, local_producers(shard_lock), stream_callback) as control):
                 result = _run_training(job, in_process, callback, lock_fd)
             result = replace(result, stream=stream_report(control.reports(), manifest))  # the producers have ended
     return TrainResult(**{**asdict(result), "fingerprint": train_fingerprint(manifest_fp, vocab_fp, job.settings)})

@@ -63,9 +63,7 @@ def test_missing_section_and_cross_field_checks(tmp_path):
                               ("extract: {mode: stream, stream_window: 6}\ntrain: {shuffle_block_shards: 4}",
                                r"stream_window \(6\) must be at least 2 x train.shuffle_block_shards \(4\)"),
                               ("extract: {mode: stream, packing: true}\ntrain: {shuffle_block_shards: 2}",
-                               "extract.packing runs batches across shard boundaries"),
-                              ("extract: {mode: stream}\ntrain: {shuffle_block_shards: 2}\ncluster: {executor: ray}",
-                               "runs on one machine for now")):
+                               "extract.packing runs batches across shard boundaries")):
         with pytest.raises(ConfigError, match=refusal):
             load_config(write(tmp_path, BASE + settings))
     streamed = load_config(write(tmp_path, BASE + "extract: {mode: stream}\ntrain: {shuffle_block_shards: 4}"))

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-from flow_support import small_config, task_states, write_sample_data
+import torch
+from flow_support import small_config, task_states, untimed, write_sample_data
+from safetensors.torch import load_file
 
 from tasks.common.errors import is_deterministic
 from tasks.extract.stage import ExtractJob, run_extraction
@@ -201,6 +203,45 @@ def test_regeneration_by_two_ranks_writes_the_conversations_one_local_run_writes
     _, local_states, _ = run_flow(first_stages_flow(extract=False), small_config(root / "regen", data,
                                                                                  data=made_otherwise))
     assert {name: state for name, (state, _) in local_states.items()} == {"prepare": "Cached"}
+
+
+def test_a_stream_produced_on_one_node_trains_on_the_other_as_a_local_offline_run(prefect_api, cluster, workspace,
+                                                                                   sharegpt, smollm2):
+    """extract.mode stream on the cluster: training takes one node's accelerator, so the one producer rank
+    runs on the other node, writing blocks of shards into the shared folder while Ray Train reads them;
+    the draft is the one a local offline run trains, tensor for tensor, and the window is never exceeded."""
+    from flows.pipeline import eagle3_pipeline
+
+    ray_cluster, workers = cluster
+    root, _ = workspace
+    data = write_sample_data(sharegpt, root / "stream-chats.jsonl", 40)
+    window, train = 4, {**TRAIN, "shuffle_block_shards": 2}
+    config = ray_config(root / "stream", data, ray_cluster, train=train,
+                        extract={"shard_tokens": 300, "mode": "stream", "stream_window": window})
+    result, states, flow_run_id = run_flow(eagle3_pipeline, config)
+    prepared, extracted, vocab, trained = result["prepared"], result["extracted"], result["vocab"], result["trained"]
+    assert extracted.streamed and states["train"] == ("Completed", 1)
+    assert states["extract (streamed) rank 0 of 1"] == ("Completed", 1)
+    assert rank_nodes(flow_run_id)[0][0] in {node.node_id[:12] for node in workers}
+    shard_dir = Path(extracted.manifest).parent
+    report, kept = trained.stream, len(json.loads((shard_dir / "stream" / "sequence.json").read_text())["pinned"])
+    assert report["shards_produced"] > extracted.shards > window + kept and report["shards_deleted"] > 0  # 2 epochs
+    assert 0 < report["high_water_bytes"] <= (window + kept) * report["largest_shard_bytes"]
+    assert not list(shard_dir.glob("shard-*"))  # nothing left once training ended
+    with threads_of_a_rank():  # the Ray Train process's thread count
+        offline = run_extraction(ExtractJob(prepared.path, prepared.fingerprint, smollm2, str(root / "stream-local"),
+                                            settings={**config.extract.model_dump(), "mode": "offline"}),
+                                 in_process=True)
+        local = run_training(TrainJob(offline.manifest, prepared.path, vocab.path, smollm2,
+                                      str(root / "stream-train-local"), offline.layers[:3],
+                                      settings=config.train.model_dump()),
+                             offline.fingerprint, vocab.fingerprint, in_process=True)
+    assert local.fingerprint == trained.fingerprint  # one cache key, streamed or not
+    assert untimed(read_metrics(Path(trained.draft_path).parent)) == untimed(read_metrics(root / "stream-train-local"))
+    streamed_draft, local_draft = (load_file(Path(d) / "model.safetensors") for d in (trained.draft_path,
+                                                                                       local.draft_path))
+    assert streamed_draft.keys() == local_draft.keys()
+    assert all(torch.equal(streamed_draft[k], local_draft[k]) for k in local_draft)
 
 
 def node_running(workers, pid: int):

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from flow_support import untimed
 from safetensors.torch import load_file
 
 from tasks.extract.stage import ExtractJob, run_extraction
@@ -49,10 +50,6 @@ def extract(inputs, smollm2, out: Path, **settings):
 def train_job(inputs, smollm2, extraction, out: Path) -> TrainJob:
     prepared, vocab = inputs
     return TrainJob(extraction.manifest, prepared.path, vocab.path, smollm2, str(out), AUX, settings=SETTINGS)
-
-
-def untimed(metrics: list[dict]) -> list[dict]:
-    return [{k: v for k, v in m.items() if k != "tokens_per_s"} for m in metrics]
 
 
 def processes_running(module: str) -> list[psutil.Process]:

@@ -104,7 +104,8 @@ def test_best_checkpoint_is_chosen_by_simulated_acceptance(data, smollm2, tmp_pa
     assert result.simulated_acceptance_length == pytest.approx(best["simulated_acceptance_length"], abs=1e-4)
     assert best["simulated_acceptance_length"] == pytest.approx(simulated_acceptance_length(best, 3))
     assert (tmp_path / "checkpoints" / f"step-{result.best_step:08d}" / "COMPLETE").is_file()
-    assert 1.0 <= best["replayed_acceptance_length"] <= best["simulated_acceptance_length"] + 1e-6
+    # replaying is not bounded by chaining (it is lower where difficulty clusters, not always): only by k
+    assert 1.0 <= best["replayed_acceptance_length"] <= 1 + 3
 
     # the exported draft, loaded in speculators' format, scores on the held-out samples what training
     # logged for its step (bf16 export against float32 training). Its files lack the embeddings, which
