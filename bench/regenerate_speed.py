@@ -1,4 +1,4 @@
-"""Answer regeneration with transformers: generated tokens/s of three ways to run the same greedy
+"""Answer regeneration with transformers: generated tokens/s of four ways to run the same greedy
 generation of ShareGPT first turns, side by side in one process.
 
     python bench/regenerate_speed.py --verifier DIR --data sharegpt.json [--prompts 2048 --max-new-tokens 512]
@@ -11,9 +11,6 @@ generation of ShareGPT first turns, side by side in one process.
   reading each KV head once: tasks/prepare/decode_attention.py).
 - `static-sdpa`: the same with transformers' own SDPA attention (with a padding mask it copies the
   KV heads for every query head at every step): what the folded attention saves.
-- `refill`: `static` with `data.regenerate.refill` (tasks/prepare/refill.py): finished rows take the
-  next prompts at once, over one KV cache sized for the widest prompt, its decoding step compiled
-  with CUDA graphs; its answers are compared with `static`'s.
 - `continuous`: transformers' continuous batching (`generate_batch`: paged KV cache, finished
   rows refilled at once), with its default configuration.
 
@@ -129,7 +126,7 @@ def main() -> None:
     p.add_argument("--dynamic-prompts", type=int, default=512)
     p.add_argument("--dynamic-rows", type=int, default=512)
     p.add_argument("--rows", type=int, help="rows per batch of the static variants (default: what fits)")
-    p.add_argument("--variants", default="dynamic,static,static-sdpa,refill,continuous")
+    p.add_argument("--variants", default="dynamic,static,static-sdpa,continuous")
     p.add_argument("--out")
     a = p.parse_args()
     n = a.max_new_tokens
@@ -144,13 +141,12 @@ def main() -> None:
                      "prompt_tokens_mean": round(sum(map(len, prompts)) / len(prompts), 1)}
     for variant in a.variants.split(","):
         t0 = time.perf_counter()
-        if variant in ("static", "static-sdpa", "refill"):
-            settings = RegenerateSettings(max_new_tokens=n, batch_size=a.rows, refill=variant == "refill")
+        if variant in ("static", "static-sdpa"):
+            settings = RegenerateSettings(max_new_tokens=n, batch_size=a.rows)
             attention = "sdpa" if variant == "static-sdpa" else "sdpa_folded_gqa"
             generator = TransformersGenerator(a.verifier, tokenizer, settings, a.max_prompt_len, False, attention)
             generate, extra = generator, {"rows": generator.rows}
-            # refill decodes a call over one cache, sized for its widest prompt: warm that one up
-            warm_up = [[max(prompts, key=len)]] if generator.refill else one_prompt_per_cache_size(generator, prompts)
+            warm_up = one_prompt_per_cache_size(generator, prompts)
             subset = prompts
         else:
             model = AutoModelForCausalLM.from_pretrained(a.verifier, dtype=torch.bfloat16).to(device).eval()
@@ -172,18 +168,13 @@ def main() -> None:
         del generate
         torch.cuda.empty_cache() if device == "cuda" else None
     reference = results.get("dynamic", {}).get("outputs")
-    for variant in ("static", "static-sdpa", "refill", "continuous"):
+    for variant in ("static", "static-sdpa", "continuous"):
         if reference and "outputs" in results.get(variant, {}):
             results[variant]["identical_to_dynamic"] = identical_share(reference, results[variant]["outputs"])
-    if "outputs" in results.get("static", {}) and "outputs" in results.get("refill", {}):
-        results["refill"]["identical_to_static"] = identical_share(results["static"]["outputs"],
-                                                                   results["refill"]["outputs"])
-    variants = ("dynamic", "static", "static-sdpa", "refill", "continuous")
+    variants = ("dynamic", "static", "static-sdpa", "continuous")
     rates = {v: results[v]["steady_tokens_per_s"] for v in variants
              if results.get(v, {}).get("steady_tokens_per_s")}
     results["regenerate_tokens_per_s"] = rates.get("static")
-    if "static" in rates and "refill" in rates:
-        results["refill_vs_static"] = round(rates["refill"] / rates["static"], 3)
     if "dynamic" in rates:
         results.update({f"{v}_vs_dynamic": round(r / rates["dynamic"], 2) for v, r in rates.items() if v != "dynamic"})
     for v in variants:

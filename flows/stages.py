@@ -52,7 +52,7 @@ PLUMBING = ("tasks.common.config", "tasks.common.errors", "tasks.common.folder_l
             "tasks.common.vllm_support", "tasks.common.workers", "tasks.common.demo_assets")
 PREPARE_CODE = ("tasks.prepare.stage", "tasks.prepare.dataset", "tasks.prepare.chat_data",
                 "tasks.prepare.chat_template", "tasks.prepare.regenerate", "tasks.prepare.synthesize",
-                "tasks.prepare.generators", "tasks.prepare.refill",
+                "tasks.prepare.generators",
                 "tasks.prepare.decode_attention", "tasks.common.journal", "tasks.common.verifier")
 EXTRACT_CODE = ("tasks.extract.stage", "tasks.extract.job", "tasks.extract.plan", "tasks.extract.writer",
                 "tasks.extract.shards", "tasks.extract.stream", "tasks.extract.storage_dtype",

@@ -7,6 +7,7 @@ while read -r name limit cmd; do
   case "$name" in ''|\#*) continue;; esac
   echo "$(date +%T) start $name: $cmd"
   timeout "$limit" bash -c "$cmd" > "/tmp/bench_$name.log" 2>&1
-  echo "$(date +%T) end $name rc=$?"
+  rc=$?  # before $(date) runs, which sets $? again (124: the time limit)
+  echo "$(date +%T) end $name rc=$rc"
 done < "$1"
 touch /tmp/job.done

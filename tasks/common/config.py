@@ -51,17 +51,11 @@ class RegenerateSettings(Section):
     tensor_parallel_size: int | None = Field(
         None, gt=0, description="GPUs per generating process (vLLM: tensor parallel; transformers: the model "
         "spread over them). Default: extract.tensor_parallel_size, the verifier's size on this hardware.")
-    refill: bool = Field(
-        False, description="transformers backend, greedy: continuous batching (tasks/prepare/refill.py): a row "
-        "whose answer ends takes the next prompt instead of idling until its batch's longest answer ends, and with "
-        "several turns a conversation's next turn is queued as soon as its answer ends (no rounds). The same "
-        "answers; off by default until measured on a GPU.")
 
     def output_settings(self) -> dict:
         """The settings that decide the regenerated answers, for fingerprints and cache keys; the rest
-        (whether it runs, the generator, chunk and batch sizes, refill) only changes how they are made."""
-        return self.model_dump(exclude={"enabled", "backend", "chunk_size", "batch_size", "tensor_parallel_size",
-                                        "refill"})
+        (whether it runs, the generator, chunk and batch sizes) only changes how they are made."""
+        return self.model_dump(exclude={"enabled", "backend", "chunk_size", "batch_size", "tensor_parallel_size"})
 
 
 class SynthesizeSettings(Section):

@@ -24,10 +24,10 @@ class TransformersGenerator:
     at most max_seq_len) plus max_new_tokens positions, so short prompts do not read a cache sized
     for the longest, and only a few shapes exist: on a GPU, transformers compiles one decoding
     step (torch.compile with CUDA graphs) per cache length. Attention reads each KV head once
-    (tasks/prepare/decode_attention.py). Rows that finish early idle until their batch ends, unless
-    `refill` (greedy only): then finished rows take the next prompts (tasks/prepare/refill.py). On a
-    GPU the number of rows is what fits all those caches in 70% of the free memory (at most 1,024),
-    unless `batch_size` says.
+    (tasks/prepare/decode_attention.py). Rows that finish early idle until their batch ends: refilling
+    them over one cache (continuous batching) measured 0.29x these batches on an H100, as every row then
+    reads a cache sized for the widest prompt (docs/BENCHMARKS.md). On a GPU the number of rows is
+    what fits all those caches in 70% of the free memory (at most 1,024), unless `batch_size` says.
     """
 
     name = "transformers"
@@ -37,7 +37,6 @@ class TransformersGenerator:
         import torch
 
         import tasks.prepare.decode_attention  # noqa: F401  (registers sdpa_folded_gqa)
-        from tasks.prepare.refill import unsupported_reason
 
         self.torch, self.tokenizer, self.settings = torch, tokenizer, settings
         self.cuda = torch.cuda.is_available()
@@ -56,15 +55,8 @@ class TransformersGenerator:
         self.cache_lengths = sorted({self.cache_positions(w) for w in range(1, max_prompt_len + 1)})
         self.rows = settings.batch_size or (self._rows_that_fit(sum(self.cache_lengths)) if self.cuda else 16)
         self.caches: dict[tuple[int, int], object] = {}  # (rows, positions) -> StaticCache, kept for CUDA graphs
-        self.refill = settings.refill and not settings.temperature
-        if self.refill and (reason := unsupported_reason(self.model.config)):
-            log.warning("transformers generator: no refill for %s (%s): batches instead", Path(verifier_path).name,
-                        reason)
-            self.refill = False
-        self.decoders: dict[tuple[int, int], object] = {}  # (rows, positions), as the caches
-        log.info("transformers generator: %d rows per batch%s, %s attention, static KV caches of %s positions",
-                 self.rows, ", finished rows refilled" if self.refill else "",
-                 self.model.config._attn_implementation, self.cache_lengths)
+        log.info("transformers generator: %d rows per batch, %s attention, static KV caches of %s positions",
+                 self.rows, self.model.config._attn_implementation, self.cache_lengths)
 
     def _rows_that_fit(self, cache_positions: int) -> int:
         text = self.model.config.get_text_config()
@@ -89,8 +81,6 @@ class TransformersGenerator:
         if not prompts:
             return []
         limits = [min(n, self.settings.max_new_tokens) for n in limits or [self.settings.max_new_tokens] * len(prompts)]
-        if self.refill:
-            return self._refilled(prompts, limits)
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
         outputs: list[list[int]] = [[] for _ in prompts]
         device = self.model.get_input_embeddings().weight.device
@@ -121,37 +111,6 @@ class TransformersGenerator:
             for i, row in zip(rows_here, out[:, width:].tolist(), strict=False):
                 outputs[i] = self._read(row)[: limits[i]]
         return outputs
-
-    def _refilled(self, prompts: list[list[int]], limits: list[int]) -> list[list[int]]:
-        """Greedy answers with finished rows refilled, over one cache sized for the widest prompt."""
-        rows = self._rows_for(len(prompts))
-        answers = self._decoder(rows, self.cache_positions(max(map(len, prompts))))(prompts, limits)
-        return [self._read(answer) for answer in answers]
-
-    def conversations(self, prompts: list[list[int]], limits: list[int], follow_up) -> None:
-        """Refill only: greedy answers where each finished answer may queue its conversation's next
-        prompt at once (`follow_up(index, tokens) -> (prompt, limit) | None`, the tokens as
-        __call__ returns them), so later turns do not wait for a round of every conversation.
-        Over one cache sized for the longest prompt this generator takes."""
-        def next_turn(i: int, answer: list[int]):
-            after = follow_up(i, self._read(answer))
-            return after and (after[0], min(after[1], self.settings.max_new_tokens))
-
-        rows = self._rows_for(len(prompts))
-        self._decoder(rows, self.cache_positions(self.max_prompt_len))(
-            prompts, [min(n, self.settings.max_new_tokens) for n in limits], next_turn)
-
-    def _decoder(self, rows: int, positions: int):
-        from tasks.prepare.refill import RefillDecoder
-
-        if (rows, positions) not in self.decoders:
-            if not self.cuda:
-                self.decoders.clear()  # nothing is compiled on a CPU: keep one small cache
-            eos = self.model.generation_config.eos_token_id
-            stops = set(eos if isinstance(eos, list) else [] if eos is None else [eos])  # where generate stops
-            self.decoders[rows, positions] = RefillDecoder(self.model, rows, positions, self.pad, stops,
-                                                           compile_step=self.cuda)
-        return self.decoders[rows, positions]
 
     def _read(self, answer: list[int]) -> list[int]:
         return [t for t in answer if t != self.pad]  # generate pads the rows that ended before the others

@@ -2,9 +2,7 @@
 drafts: the draft learns what the verifier says, not what another model said).
 
 Turn by turn: assistant turn j of every conversation in a chunk is generated from the
-regenerated conversation so far, all conversations batched together; with the transformers
-generator's refill (`refill: true`), a conversation's next turn is queued as soon as its answer
-ends instead of waiting for the round (the same answers). Once a conversation's
+regenerated conversation so far, all conversations batched together. Once a conversation's
 prompt passes `max_seq_len`, its remaining turns are cut (prepare would truncate them anyway), and no
 answer is generated much past what `max_seq_len` keeps of it: a later turn's long prompt leaves
 its answer little room, and decoding tokens that prepare throws away would cost the most there.
@@ -99,9 +97,7 @@ def regenerate_chunk(conversations: list[tuple[str, list[dict]]], generate, toke
     those that failed. An answer cut at its token limit (it did not end with one of `stops`) is
     marked `unfinished`: prepare then supervises no end-of-turn after it.
 
-    Turns go in rounds across the chunk (turn j of every conversation, then turn j + 1), unless the
-    generator refills finished rows (`conversations`): then a conversation's next turn is queued as
-    soon as its answer ends. The answers are the same either way."""
+    Turns go in rounds across the chunk (turn j of every conversation, then turn j + 1)."""
     done: dict[str, list[dict]] = {row_id: [] for row_id, _ in conversations}
     pending = {row_id: list(messages) for row_id, messages in conversations}
     failed: dict[str, str] = {}
@@ -146,32 +142,15 @@ def regenerate_chunk(conversations: list[tuple[str, list[dict]]], generate, toke
         done[row_id].append(answer)
         report.assistant_turns += 1
 
-    if getattr(generate, "refill", False):  # the time inside it includes rendering the next turns' prompts
+    while pending:
+        batch = [(row_id, p) for row_id in list(pending) if (p := next_prompt(row_id)) is not None]
+        if not batch:
+            break
         t0 = time.monotonic()
-        first = {row_id: p for row_id in list(pending) if (p := next_prompt(row_id)) is not None}
-        keys = list(first)  # prompt i of the generator is conversation keys[i]'s turn
-
-        def follow_up(i: int, tokens: list[int]):
-            take_answer(keys[i], tokens)
-            prompt = next_prompt(keys[i]) if keys[i] in pending else None
-            if prompt is None:
-                return None
-            keys.append(keys[i])
-            return prompt, limits[keys[i]]
-
-        if first:
-            generate.conversations(list(first.values()), [limits[k] for k in first], follow_up)
+        outputs = generate([p for _, p in batch], [limits[row_id] for row_id, _ in batch])
         report.generate_s += time.monotonic() - t0
-    else:
-        while pending:
-            batch = [(row_id, p) for row_id in list(pending) if (p := next_prompt(row_id)) is not None]
-            if not batch:
-                break
-            t0 = time.monotonic()
-            outputs = generate([p for _, p in batch], [limits[row_id] for row_id, _ in batch])
-            report.generate_s += time.monotonic() - t0
-            for (row_id, _), tokens in zip(batch, outputs, strict=True):
-                take_answer(row_id, tokens)
+        for (row_id, _), tokens in zip(batch, outputs, strict=True):
+            take_answer(row_id, tokens)
     for row_id, messages in done.items():
         if row_id not in failed and not any(m["role"] == "assistant" for m in messages):
             failed[row_id] = "no_assistant_turn"

@@ -101,6 +101,7 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
         # falls back to eager flex attention: 6x slower (measured on an H200).
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     out_dir = Path(job.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)  # the stage makes it; a direct call (bench/train_speed.py) may not
     manifest = read_manifest(job.manifest)
     d2t, t2d, draft_vocab = check_inputs(job, manifest)
 

@@ -244,6 +244,24 @@ def test_a_stream_produced_on_one_node_trains_on_the_other_as_a_local_offline_ru
     assert all(torch.equal(streamed_draft[k], local_draft[k]) for k in local_draft)
 
 
+def test_streaming_needs_accelerators_for_training_and_a_producer_at_once(cluster):
+    """Producer ranks take what training leaves; a cluster that cannot hold both at once is refused (a
+    trainer would wait for a producer Ray never places), naming what it advertises."""
+    import ray
+
+    from flows.ray_stages import ClusterError, producer_ranks
+    from tasks.common.config import ClusterSettings
+
+    if not ray.is_initialized():
+        ray.init(address=cluster[0].address)
+    settings = ClusterSettings(executor="ray", accelerator=ACCEL)
+    assert producer_ranks(settings, 1, 1) == 1
+    for too_many in (dict(training=2), dict(training=1, ranks=2)):
+        with pytest.raises(ClusterError, match=f"the cluster advertises 2 '{ACCEL}'") as refused:
+            producer_ranks(settings.model_copy(update={"ranks": too_many.get("ranks")}), 1, too_many["training"])
+        assert is_deterministic(refused.value)
+
+
 def node_running(workers, pid: int):
     """The cluster node whose raylet started the Ray worker that is `pid`'s parent."""
     raylet_of = {node.all_processes["raylet"][0].process.pid: node for node in workers}

@@ -183,12 +183,12 @@ def test_regeneration_with_vllm(smollm2, sharegpt, tmp_path):
 
 
 @pytest.mark.parametrize("family", ["llama3", "gemma3", "gpt_oss", "kimi_k25"])
-def test_refill_generates_the_greedy_answers_of_the_batches_for_every_attention_kind(family, smollm2, tmp_path):
-    """Continuous batching (tasks/prepare/refill.py) against the length-sorted batches, on tiny
-    random verifiers: plain GQA (Llama 3), sliding windows on most layers (Gemma 3) and on every
-    other layer with attention sinks under eager attention (gpt-oss), and latent attention's cache in a
-    multimodal wrapper (Kimi-K2.5: DeepSeek-V3's body). Prompts and answers pass the 32-token windows;
-    per-prompt limits end rows at different steps, so finished rows are refilled in several waves."""
+def test_batches_of_any_size_generate_the_same_greedy_answers_for_every_attention_kind(family, smollm2, tmp_path):
+    """The transformers generator on tiny random verifiers: plain GQA (Llama 3), sliding windows on most
+    layers (Gemma 3) and on every other layer with attention sinks under eager attention (gpt-oss), and
+    latent attention's cache in a multimodal wrapper (Kimi-K2.5: DeepSeek-V3's body). Prompts of other
+    lengths left padded into batches of 3 rows or of all 7 (another padding, other neighbours, other cache
+    sizes) give the same answers, each at its own limit; prompts and answers pass the 32-token windows."""
     from transformers import AutoTokenizer
 
     from tasks.prepare.generators import TransformersGenerator
@@ -200,58 +200,10 @@ def test_refill_generates_the_greedy_answers_of_the_batches_for_every_attention_
     prompts = [torch.randint(100, 40000, (n,), generator=generator).tolist() for n in (5, 50, 12, 30, 3, 70, 20)]
     limits = [40, 12, 45, 3, 60, 25, 50]
 
-    def answers(refill: bool):
-        settings = RegenerateSettings(max_new_tokens=64, batch_size=3, refill=refill)
-        generate = TransformersGenerator(verifier, tokenizer, settings, 256, spec.remote_code_tokenizer)
-        return generate(prompts, limits), generate
+    def answers(rows: int) -> list[list[int]]:
+        settings = RegenerateSettings(max_new_tokens=64, batch_size=rows)
+        return TransformersGenerator(verifier, tokenizer, settings, 256, spec.remote_code_tokenizer)(prompts, limits)
 
-    batched, _ = answers(refill=False)
-    refilled, generate = answers(refill=True)
-    assert generate.refill and [len(a) for a in refilled] == limits  # random weights: no answer stops early
-    assert refilled == batched
-    (decoder,) = generate.decoders.values()
-    assert decoder.waves == 5  # 3 rows, 7 prompts, one wave per finish
-
-    # On a GPU the decoding step is compiled (CUDA graphs): dynamo traces it, masks and cache writes
-    # included, as one graph with no break, and the compiled step decodes the same answers
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    counters.clear()
-    decoder.step = torch.compile(decoder._step, backend="aot_eager", fullgraph=True)
-    assert [generate._read(a) for a in decoder(prompts, limits)] == batched
-    assert counters["stats"]["unique_graphs"] == 1
-
-
-def test_refill_regenerates_the_same_conversations_and_knows_what_it_cannot_decode(smollm2, sharegpt, tmp_path):
-    """Through the stage on SmolLM2, whose answers end at their end-of-turn at different lengths, up
-    to two turns a conversation: the same regenerated file and counts with refill (each
-    conversation's next turn queued as its answer ends) as with rounds of batches. Models whose
-    layers keep no key/value cache, or whose attention takes no dense mask, are named and keep the
-    batches."""
-    from transformers import Qwen3NextConfig
-
-    from tasks.prepare.refill import unsupported_reason
-
-    outputs, reports = {}, {}
-    for refill in (False, True):
-        settings = RegenerateSettings(enabled=True, backend="transformers", max_new_tokens=40, max_turns=2,
-                                      batch_size=2, refill=refill)
-        path = regenerate(RegenerateJob([sharegpt], 6, smollm2, str(tmp_path / str(refill)), 384,
-                                        settings.model_dump()), in_process=True)
-        outputs[refill] = path.read_text()
-        report = json.loads((tmp_path / str(refill) / "report.json").read_text())
-        reports[refill] = {k: report[k] for k in ("regenerated", "failed", "assistant_turns", "unfinished",
-                                                  "generated_tokens")}
-    assert outputs[True] == outputs[False] and reports[True] == reports[False]
-    conversations = [json.loads(line)["messages"] for line in outputs[True].splitlines()]
-    answers = [m for c in conversations for m in c if m["role"] == "assistant"]
-    assert len(conversations) >= 5 and max(sum(m["role"] == "assistant" for m in c) for c in conversations) == 2
-    assert any("unfinished" not in a for a in answers) and any(a.get("unfinished") for a in answers)  # both kinds
-
-    hybrid = Qwen3NextConfig(num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2)
-    hybrid._attn_implementation = "sdpa"
-    assert "linear_attention" in unsupported_reason(hybrid)
-    flash = Qwen3NextConfig(num_hidden_layers=2, layer_types=["full_attention"] * 2)
-    flash._attn_implementation = "flash_attention_2"
-    assert "flash_attention_2" in unsupported_reason(flash)
+    in_threes = answers(3)
+    assert [len(a) for a in in_threes] == limits  # random weights: no answer stops early
+    assert answers(7) == in_threes
