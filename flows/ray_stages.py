@@ -292,8 +292,8 @@ def producer_ranks(cluster: ClusterSettings, per_rank: int, training: int) -> in
     if ranks < 1 or ranks * per_rank + training > total:
         raise ClusterError(
             f"streaming on Ray runs training ({training} '{cluster.accelerator}') and the verifier's producer ranks "
-            f"({max(ranks, 1)} x {per_rank}) at once, but the cluster advertises {total}: add nodes, lower "
-            "cluster.train_nodes or cluster.ranks, or extract offline (extract.mode: offline)")
+            f"({max(ranks, 1)} x {per_rank}) at once, but the cluster advertises {total} '{cluster.accelerator}': add "
+            "nodes, lower cluster.train_nodes or cluster.ranks, or extract offline (extract.mode: offline)")
     return ranks
 
 
