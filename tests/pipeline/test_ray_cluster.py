@@ -256,9 +256,9 @@ def test_streaming_needs_accelerators_for_training_and_a_producer_at_once(cluste
         ray.init(address=cluster[0].address)
     settings = ClusterSettings(executor="ray", accelerator=ACCEL)
     assert producer_ranks(settings, 1, 1) == 1
-    for too_many in (dict(training=2), dict(training=1, ranks=2)):
+    for ranks, training in ((None, 2), (2, 1)):  # training takes both; two producers beside training
         with pytest.raises(ClusterError, match=f"the cluster advertises 2 '{ACCEL}'") as refused:
-            producer_ranks(settings.model_copy(update={"ranks": too_many.get("ranks")}), 1, too_many["training"])
+            producer_ranks(settings.model_copy(update={"ranks": ranks}), 1, training)
         assert is_deterministic(refused.value)
 
 
