@@ -24,11 +24,12 @@ if [ -f /tmp/carry-parts/demo-assets.parts ]; then
     echo "demo assets: $have of $want parts here"
   fi
 fi
-if ls .carry/*/regenerated.tgz.part* >/dev/null 2>&1 && [ ! -f /tmp/regenerated.restored ]; then
-  # a regeneration that watch.sh brought back from an earlier machine: its chunks are done
-  mkdir -p /tmp/runs && cat .carry/*/regenerated.tgz.part* | tar -xzf - -C /tmp/runs && touch /tmp/regenerated.restored &&
-    echo "restored $(ls -d /tmp/runs/*/regenerated/*/)"
-fi
+for kind in regenerated kept; do  # what watch.sh brought back from an earlier machine: its chunks are done
+  if ls .carry/*/$kind.tgz.part* >/dev/null 2>&1 && [ ! -f /tmp/$kind.restored ]; then
+    mkdir -p /tmp/runs && cat .carry/*/$kind.tgz.part* | tar -xzf - -C /tmp/runs && touch /tmp/$kind.restored &&
+      echo "restored $kind: $(cd /tmp/runs && ls -d */synthesized/*/ */regenerated/*/ 2>/dev/null | tr '\n' ' ')"
+  fi
+done
 PYTHONPATH=/tmp/site python3 - <<'PY'
 import importlib
 missing = []

@@ -48,4 +48,13 @@ for reg in /tmp/runs/*/regenerated/*/; do
       echo "returned ${reg#/tmp/runs/} ($(du -h /tmp/regenerated.tgz | cut -f1))"
   fi
 done
+# The call before the device time runs out (third argument `keep`): the synthesis and regeneration
+# journals as they stand, finished chunks only matter (both stages go on from them), so the next
+# machine's flow starts where this one stopped. setup.sh restores them the same way.
+if [ "${3:-}" = keep ] && ls -d /tmp/runs/*/synthesized /tmp/runs/*/regenerated >/dev/null 2>&1; then
+  (cd /tmp/runs && ls -d */synthesized */regenerated 2>/dev/null) > /tmp/keep.list
+  tar -C /tmp/runs -czf /tmp/kept.tgz --exclude=conversations.jsonl --exclude=failed.jsonl -T /tmp/keep.list &&
+    split -b 15M -d /tmp/kept.tgz "$OUT/kept.tgz.part" &&
+    echo "kept $(tr '\n' ' ' < /tmp/keep.list)($(du -h /tmp/kept.tgz | cut -f1))"
+fi
 [ -f /tmp/job.done ] && echo JOB_DONE
