@@ -118,11 +118,12 @@ class Progress:
     def update(self, n: float, note: str = "", force: bool = False) -> None:
         now = time.monotonic()
         self.done += n
-        if self._rate_start is None:
-            # The first unit includes warm-up (allocation, compilation): rates start after it.
+        if self._rate_start is None and self.done > self._done_at_start:
+            # The first unit includes warm-up (allocation, compilation) and any wait before it (a note
+            # with nothing done: streamed training waiting for its first block): rates start after it.
             self._rate_start = self.clock(now)
-        if not self._samples or self.clock(now) - self._samples[-1][0] >= 1.0:  # one sample a second is plenty
-            self._samples.append((self.clock(now), self.done))
+        if self._rate_start is not None and (not self._samples or self.clock(now) - self._samples[-1][0] >= 1.0):
+            self._samples.append((self.clock(now), self.done))  # one sample a second is plenty
         if self._bar is not None:
             self._bar.update(n)
         if force or now - self._last_log >= self.log_every_s or self.done >= self.total:

@@ -34,7 +34,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from tasks.common.errors import is_deterministic
-from tasks.common.progress import Progress, ProgressCallback, format_bytes
+from tasks.common.progress import Progress, ProgressCallback, format_bytes, format_seconds
 from tasks.common.workers import rank_worker_main
 from tasks.extract.job import ExtractJob, load_inputs, make_backend, manifest_content, run_worker_processes
 from tasks.extract.plan import ExtractError, make_plan
@@ -173,6 +173,7 @@ def produce(job: ExtractJob, rank: int = 0, world_size: int = 1, callback: Progr
             i for position in sequence["positions"][control.released():] for i in position if i % world_size == rank]
         total = sum(specs[i].tokens for i in mine)
         progress = Progress(f"extract (streamed) [{rank}/{world_size}]", total, "tok", callback)
+        waited = 0.0
         while not control.stopped():
             released = control.released()
             finished = released >= len(sequence["positions"])  # then only the validation shards are kept
@@ -188,7 +189,11 @@ def produce(job: ExtractJob, rank: int = 0, world_size: int = 1, callback: Progr
             if not missing:
                 if finished:
                     break  # training has read every block (a re-run of a finished one reads the validation shards)
-                time.sleep(POLL_S)
+                asleep = time.monotonic()
+                time.sleep(POLL_S)  # the window is full: training sets the pace
+                asleep = time.monotonic() - asleep
+                progress.exclude(asleep)  # the rate is the producer's own; the ETA adds the waits back
+                waited += asleep
                 continue
             # a block at a time, so that a stop is heard between calls
             block = missing if finished else missing[: len(sequence["positions"][released])]
@@ -198,7 +203,8 @@ def produce(job: ExtractJob, rank: int = 0, world_size: int = 1, callback: Progr
             sizes = shard_sizes(out_dir)
             on_disk, high_water, largest = sum(sizes), max(high_water, sum(sizes)), max([largest, *sizes])
             progress.update(sum(spec.tokens for spec in block),
-                            note=f"{len(keep)} shards in the window, {format_bytes(on_disk)} on disk")
+                            note=f"{len(keep)} shards in the window, {format_bytes(on_disk)} on disk, "
+                                 f"{format_seconds(waited)} waiting for training to free it")
         progress.close()
     finally:
         backend.close()

@@ -31,6 +31,24 @@ def test_validation_pauses_neither_drop_the_rate_nor_swing_the_eta(monkeypatch):
     assert etas[-1] == pytest.approx(50 * (1 + 30 / 25), rel=0.05)  # 50 steps left, a validation per 25
 
 
+def test_a_wait_before_the_first_unit_is_no_part_of_the_rate(monkeypatch):
+    """Streamed training says it waits for its first block (a note, nothing done), then starts at 20
+    steps a second: the rate is that from the second step on, not diluted by the wait (an H100 run said
+    0.0099 step/s, ETA 159 h, after a 111-s wait and compilation)."""
+    clock = [0.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
+    run = Progress("train", 5000, "step", log_every_s=1e9)
+    run.update(0, note="waiting for block 1")
+    clock[0] += 111.0
+    run.update(1)
+    assert run.event().rate is None  # one unit: nothing measured yet
+    for _ in range(200):
+        clock[0] += 0.05
+        run.update(1)
+    event = run.event()
+    assert event.rate == pytest.approx(20.0) and event.eta_s == pytest.approx((5000 - 201) / 20.0)
+
+
 def test_a_finished_load_says_done_at_its_size():
     with LoadMonitor("weights", 10**9) as monitor:
         pass
