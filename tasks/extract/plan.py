@@ -39,6 +39,7 @@ from tasks.extract.shards import (
     verify_shard,
 )
 from tasks.extract.storage_dtype import STORAGE_DTYPES, bytes_per_token
+from tasks.prepare.dataset import token_rows
 
 log = logging.getLogger(__name__)
 
@@ -179,9 +180,9 @@ def plan_shards(prepared, extraction_fp: str, shard_tokens: int) -> list[ShardSp
                                 hashlib.sha256(f"{extraction_fp}:{h.hexdigest()}".encode()).hexdigest()))
         rows, tokens, h = [], 0, xxhash.xxh3_128()
 
-    lengths = prepared["seq_len"]
-    sample_ids = prepared["sample_id"]
-    for r, ids in enumerate(prepared.with_format("numpy")["input_ids"]):
+    lengths = prepared["seq_len"][:]  # lists: a `datasets` column indexed a row at a time is slow
+    sample_ids = prepared["sample_id"][:]
+    for r, ids in enumerate(token_rows(prepared)):
         rows.append(r)
         tokens += lengths[r]
         h.update(sample_ids[r].encode() + b"\0")

@@ -56,6 +56,7 @@ from tasks.extract.shards import (
 from tasks.extract.storage_dtype import all_finite
 from tasks.extract.stream import write_stream_manifest
 from tasks.extract.writer import extract_shards
+from tasks.prepare.dataset import token_ids
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +110,9 @@ def check_shard(spec, path: Path, plan: ExtractionPlan, prepared, full: bool) ->
         raise ShardError(f"{spec.name} holds non-finite values")
     offsets = tensors["offsets"].tolist()
     stored = tensors["input_ids"]
+    prepared_ids = token_ids(prepared, spec.rows)
     for i, r in enumerate(spec.rows):
-        expected = torch.tensor(prepared[r]["input_ids"], dtype=torch.int32)
+        expected = torch.from_numpy(prepared_ids[r].astype("int32"))
         if not torch.equal(stored[offsets[i]: offsets[i + 1]], expected):
             raise ShardError(f"{spec.name} sample {spec.sample_ids[i]}: token ids differ from the prepared input_ids")
 

@@ -22,6 +22,7 @@ from tasks.common.progress import Progress, ProgressCallback
 from tasks.extract.plan import LAYERS_STORED, WRITER_BUFFERS, ExtractError, ExtractionPlan
 from tasks.extract.shards import ShardSpec, shard_journal, write_shard
 from tasks.extract.storage_dtype import SCALE_DTYPE, SCALE_TENSOR, STORAGE_DTYPES, encode
+from tasks.prepare.dataset import token_ids
 
 log = logging.getLogger(__name__)
 
@@ -158,8 +159,15 @@ def extract_shards(shards: list[ShardSpec], plan: ExtractionPlan, prepared, out_
     for spec in shards:  # partial files of an earlier, killed attempt at these shards
         for partial in out_dir.glob(f".tmp-{spec.name}.*"):
             partial.unlink(missing_ok=True)
-    lengths = prepared["seq_len"]
-    all_ids = prepared["input_ids"]
+    lengths = prepared["seq_len"][:]  # a list: a `datasets` column read a row at a time costs ~70 us a row
+    ids: dict[int, list[int]] = {}  # of the shards under way, read a shard at a time
+
+    def rows_ids(rows) -> list[list[int]]:
+        for r in rows:
+            if r not in ids:
+                ids.update((row, a.tolist()) for row, a in token_ids(prepared, shard_of[r].rows).items())
+        return [ids[r] for r in rows]
+
     metadata = {"layers": json.dumps(plan.layers), "hidden_size": str(plan.hidden_size),
                 "extraction_fingerprint": plan.fingerprint, "verifier": plan.verifier}
     if plan.storage_dtype != "bf16":  # bf16 shards stay byte for byte what they were before fp8 storage
@@ -175,11 +183,11 @@ def extract_shards(shards: list[ShardSpec], plan: ExtractionPlan, prepared, out_
     try:
         current = None
         for batch in work:
-            states = backend.capture([all_ids[r] for r in batch])
+            states = backend.capture(rows_ids(batch))
             start = 0
             for spec, rows in itertools.groupby(batch, key=shard_of.__getitem__):
                 if current is None:
-                    writer.begin(spec, [all_ids[r] for r in spec.rows])
+                    writer.begin(spec, rows_ids(spec.rows))
                     current = spec
                 n = sum(lengths[r] for r in rows)
                 writer.add(states[start: start + n])
@@ -187,6 +195,8 @@ def extract_shards(shards: list[ShardSpec], plan: ExtractionPlan, prepared, out_
                 if writer.cursor == spec.tokens:  # its last rows: written now, not after the next batch
                     writer.finish()
                     current = None
+                    for r in spec.rows:
+                        del ids[r]
             progress.update(start, note=f"shard {spec.index + 1}/{len(plan.shards)}")
         if current is not None:
             writer.finish()  # refuses a shard that did not get all its tokens
