@@ -53,7 +53,7 @@ def test_regeneration_rewrites_answers_with_the_verifier_and_resumes(smollm2, sh
     # batch_size=1: no padding, so each answer can be compared with an unbatched greedy generate
     # (bf16 batched generation flips near-ties)
     # chunk_size=2: the first run's 2 conversations are one whole chunk (a part-written chunk is redone whole)
-    settings = RegenerateSettings(enabled=True, backend="transformers", max_new_tokens=24, batch_size=1,
+    settings = RegenerateSettings(enabled=True, backend="transformers", max_new_tokens=12, batch_size=1,
                                   chunk_size=2).model_dump()
     job = RegenerateJob([sharegpt], 2, smollm2, str(tmp_path / "hf"), 384, settings)
     first = regenerate(job, in_process=True)
@@ -93,7 +93,7 @@ def test_regeneration_rewrites_answers_with_the_verifier_and_resumes(smollm2, sh
     messages = lines[0]["messages"]
     first_answer = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
     prompt = tokenizer.apply_chat_template(messages[:first_answer], add_generation_prompt=True, return_tensors="pt")
-    out = model.generate(**prompt, max_new_tokens=24, do_sample=False)
+    out = model.generate(**prompt, max_new_tokens=12, do_sample=False)
     expected = tokenizer.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True).strip()
     assert messages[first_answer]["content"] == expected
 
