@@ -36,7 +36,7 @@ SETTINGS = {"total_seq_len": 384, "lr": 2e-3, "log_every": 1, "eval_every": 5, "
 @pytest.fixture(scope="module")
 def inputs(smollm2, sharegpt, tmp_path_factory):
     root = tmp_path_factory.mktemp("stream-data")
-    prepared = prepare(smollm2, [sharegpt], root, max_seq_len=256, max_rows=28)
+    prepared = prepare(smollm2, [sharegpt], root, max_seq_len=256, max_rows=20)
     vocab = build_vocab(prepared.path, prepared.fingerprint, smollm2, root, draft_vocab_size=1024)
     return prepared, vocab
 
@@ -44,7 +44,7 @@ def inputs(smollm2, sharegpt, tmp_path_factory):
 def extract(inputs, smollm2, out: Path, **settings):
     prepared = inputs[0]
     return run_extraction(ExtractJob(prepared.path, prepared.fingerprint, smollm2, str(out),
-                                     settings={"batch_tokens": 2048, "shard_tokens": 500, **settings}))
+                                     settings={"batch_tokens": 2048, "shard_tokens": 400, **settings}))
 
 
 def train_job(inputs, smollm2, extraction, out: Path) -> TrainJob:
@@ -66,6 +66,14 @@ def start_stage(job_file: Path, log: Path) -> subprocess.Popen:
              str(job_file)], start_new_session=True, stdout=sink, stderr=subprocess.STDOUT)
 
 
+def at_work(out: Path, since: float) -> bool:
+    """The stage started at `since` trains (its metrics file rewritten: trimmed to the checkpoint it
+    resumed from, or a step logged), so its producers produce."""
+    with contextlib.suppress(FileNotFoundError):
+        return (out / "metrics.jsonl").stat().st_mtime > since
+    return False
+
+
 class DiskWatch(threading.Thread):
     """The most bytes of shard files ever seen in a folder, polled every 20 ms: the window, measured
     from outside the producer."""
@@ -84,9 +92,10 @@ class DiskWatch(threading.Thread):
 
 
 def test_streamed_training_killed_ten_times_ends_with_the_offline_draft_within_its_window(inputs, smollm2, tmp_path):
-    """Ten kills at seeded random times, each of the producer processes alone (started again alone while
-    training waits) or of the whole stage (its own producers and training; then run again: training
-    resumes from its checkpoint, the producer from the shards on disk): the draft and the metrics are
+    """Ten kills at seeded random times while the stage is at work (training begun, producers producing),
+    each of the producer processes alone (started again alone while training waits) or of the whole
+    stage (its own producers and training; then run again: training resumes from its checkpoint, the
+    producer from the shards on disk): the draft and the metrics are
     the offline run's, bit for bit, over two epochs (every shard produced again for the second), and no
     more shards than the window and the validation shards were ever on disk."""
     offline = extract(inputs, smollm2, tmp_path / "offline-hs")
@@ -102,15 +111,18 @@ def test_streamed_training_killed_ten_times_ends_with_the_offline_draft_within_i
     rng, kills, starts = random.Random(5), [], 1
     watch = DiskWatch(tmp_path / "stream-hs")
     watch.start()
-    stage = start_stage(out / "job.json", log)
+    stage, started = start_stage(out / "job.json", log), time.time()
     while stage.poll() is None or stage.returncode != 0:
         if stage.poll() is not None:  # killed, or failed once its producer was killed past its restarts
-            stage, starts = start_stage(out / "job.json", log), starts + 1
+            stage, starts, started = start_stage(out / "job.json", log), starts + 1, time.time()
             continue
         if len(kills) == 10:
             stage.wait(timeout=600)
             continue
-        time.sleep(rng.uniform(1.5, 6))
+        if not at_work(out, started):  # a kill during the process's imports would test nothing
+            time.sleep(0.1)
+            continue
+        time.sleep(rng.uniform(0.5, 3))
         if stage.poll() is not None:
             continue
         if rng.random() < 0.5 and (producers := processes_running("tasks.extract.stream")):
