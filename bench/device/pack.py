@@ -92,7 +92,8 @@ def main() -> None:
         except metadata.PackageNotFoundError:
             print(f"skipped {name}: not installed here", file=sys.stderr)
     staging = a.out / "staging"
-    shutil.rmtree(a.out, ignore_errors=True)
+    for old in [staging, *a.out.glob("[0-9]*")]:  # its own folders: what else is here (a run's kept journals,
+        shutil.rmtree(old, ignore_errors=True)    # returned results) is another session's work
     staging.mkdir(parents=True)
     download(pins, staging)
     assets = staging / "demo-assets.tar"
