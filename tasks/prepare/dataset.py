@@ -29,8 +29,8 @@ def load_prepared(path: str | Path):
 
 def token_rows(prepared, column: str = "input_ids", batch_size: int = 4096):
     """Each row's `column` as a numpy array, in row order, read a batch of rows at a time as Arrow
-    buffers: a row at a time through `datasets` costs ~70 us, 26 s for 64k rows (a minute per
-    plan at 600k samples, and each worker plans again)."""
+    buffers: a row at a time through `datasets` costs ~70 us, 26 s for 64k rows (minutes per plan
+    at 600k samples, and each worker plans again)."""
     for batch in prepared.with_format("arrow").iter(batch_size=batch_size):
         lists = batch.column(column).combine_chunks()
         offsets = lists.offsets.to_numpy()
