@@ -160,14 +160,6 @@ def extract_shards(shards: list[ShardSpec], plan: ExtractionPlan, prepared, out_
         for partial in out_dir.glob(f".tmp-{spec.name}.*"):
             partial.unlink(missing_ok=True)
     lengths = prepared["seq_len"][:]  # a list: a `datasets` column read a row at a time costs ~70 us a row
-    ids: dict[int, list[int]] = {}  # of the shards under way, read a shard at a time
-
-    def rows_ids(rows) -> list[list[int]]:
-        for r in rows:
-            if r not in ids:
-                ids.update((row, a.tolist()) for row, a in token_ids(prepared, shard_of[r].rows).items())
-        return [ids[r] for r in rows]
-
     metadata = {"layers": json.dumps(plan.layers), "hidden_size": str(plan.hidden_size),
                 "extraction_fingerprint": plan.fingerprint, "verifier": plan.verifier}
     if plan.storage_dtype != "bf16":  # bf16 shards stay byte for byte what they were before fp8 storage
@@ -180,6 +172,14 @@ def extract_shards(shards: list[ShardSpec], plan: ExtractionPlan, prepared, out_
     else:
         work = [batch for spec in shards for batch in batches(spec, lengths, batch_tokens)]
     shard_of = {r: spec for spec in shards for r in spec.rows}
+    ids: dict[int, list[int]] = {}  # of the shards under way, read a shard at a time
+
+    def rows_ids(rows) -> list[list[int]]:
+        for r in rows:
+            if r not in ids:
+                ids.update((row, a.tolist()) for row, a in token_ids(prepared, shard_of[r].rows).items())
+        return [ids[r] for r in rows]
+
     try:
         current = None
         for batch in work:
