@@ -51,9 +51,9 @@ from tasks.vocab import VocabResult, build_vocab, vocab_damage
 PLUMBING = ("tasks.common.config", "tasks.common.errors", "tasks.common.folder_lock", "tasks.common.progress",
             "tasks.common.vllm_support", "tasks.common.workers", "tasks.common.demo_assets")
 PREPARE_CODE = ("tasks.prepare.stage", "tasks.prepare.dataset", "tasks.prepare.chat_data",
-                "tasks.prepare.chat_template", "tasks.prepare.regenerate", "tasks.prepare.synthesize",
-                "tasks.prepare.generators",
-                "tasks.prepare.decode_attention", "tasks.common.journal", "tasks.common.verifier")
+                "tasks.prepare.chat_template", "tasks.prepare.samples", "tasks.prepare.regenerate",
+                "tasks.prepare.synthesize", "tasks.prepare.generators", "tasks.prepare.decode_attention",
+                "tasks.common.journal", "tasks.common.verifier")
 EXTRACT_CODE = ("tasks.extract.stage", "tasks.extract.job", "tasks.extract.plan", "tasks.extract.writer",
                 "tasks.extract.shards", "tasks.extract.stream", "tasks.extract.storage_dtype",
                 "tasks.extract.backends.hf", "tasks.extract.backends.vllm", "tasks.extract.backends.vllm_connector",
@@ -94,7 +94,7 @@ def prepare_task(config: PipelineConfig) -> PreparedData:
         sources, max_rows = [str(_regenerate(config, regeneration))], None
     result = prepare(config.verifier.path, sources, config.output_dir, max_seq_len=config.data.max_seq_len,
                      max_rows=max_rows, supervise_end_of_turn=config.data.supervise_end_of_turn,
-                     trust_remote_code=config.verifier.trust_remote_code)
+                     trust_remote_code=config.verifier.trust_remote_code, workers=config.data.prepare_workers)
     report = read_report(result.path)
     create_table_artifact(
         table=table({k: v for k, v in report.items() if k != "dropped_examples"}), key="prepare-report",

@@ -97,6 +97,8 @@ class DataSettings(Section):
     supervise_end_of_turn: bool = Field(
         False, description="Also train on the end-of-turn token closing each answer (vLLM drafts it at the end "
         "of every answer).")
+    prepare_workers: int = Field(0, ge=0, description="Processes that tokenize the conversations (0: one per "
+                                 "CPU core, at most 16); the prepared data is the same for any number.")
     regenerate: RegenerateSettings = RegenerateSettings()
     synthesize: SynthesizeSettings = SynthesizeSettings()
 

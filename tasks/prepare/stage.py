@@ -21,13 +21,14 @@ import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 from tasks.common.errors import PermanentError
 from tasks.common.verifier import VerifierError, check_tokenizer_files, tokenizer_fingerprint
-from tasks.prepare.chat_data import Dropped, read_conversation, read_rows, source_files
-from tasks.prepare.chat_template import tokenize_conversation
+from tasks.prepare.chat_data import Dropped, read_rows, source_files
 from tasks.prepare.dataset import PreparedData
+from tasks.prepare.samples import Sample, default_workers, tokenized_rows
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +65,17 @@ class PrepareReport:
         if dropped.reason == "unknown_role":
             self.unknown_roles[dropped.detail] = self.unknown_roles.get(dropped.detail, 0) + 1
 
-    def shorten(self, row_id: str, turns: int) -> None:
-        self.shortened_rows += 1
-        self.turns_cut += turns
-        if len(self.shortened_examples) < 5:
-            self.shortened_examples.append(row_id)
+    def count(self, row_id: str, sample: Sample) -> None:
+        """A kept sample."""
+        self.rows_kept += 1
+        self.truncated_rows += sample.truncated
+        self.tokens += len(sample.input_ids)
+        self.supervised_tokens += sum(sample.loss_mask)
+        if sample.turns_cut:
+            self.shortened_rows += 1
+            self.turns_cut += sample.turns_cut
+            if len(self.shortened_examples) < 5:
+                self.shortened_examples.append(row_id)
 
 
 def load_tokenizer(verifier_path: str, trust_remote_code: bool = False):
@@ -129,8 +136,9 @@ def prepare_fingerprint(verifier_path: str, sources: list[str], max_rows: int | 
 
 def prepare(verifier_path: str, sources: list[str], output_dir: str | Path, *, max_seq_len: int,
             max_rows: int | None = None, supervise_end_of_turn: bool = False,
-            trust_remote_code: bool = False) -> PreparedData:
-    """Tokenize and mask the chat data; reuses an existing result made from the same inputs."""
+            trust_remote_code: bool = False, workers: int = 0) -> PreparedData:
+    """Tokenize and mask the chat data; reuses an existing result made from the same inputs.
+    `workers`: tokenizing processes (0: one per CPU core, at most 16); the result is the same for any."""
     t0 = time.monotonic()
     tokenizer = load_tokenizer(verifier_path, trust_remote_code)
     end_of_turn = end_of_turn_ids(verifier_path, tokenizer) if supervise_end_of_turn else frozenset()
@@ -142,65 +150,63 @@ def prepare(verifier_path: str, sources: list[str], output_dir: str | Path, *, m
         return _result(final)
 
     report = PrepareReport(fingerprint=fingerprint, max_seq_len=max_seq_len)
-    columns: dict[str, list] = {"sample_id": [], "input_ids": [], "loss_mask": [], "seq_len": []}
-    for row in read_rows(sources, max_rows):
-        report.rows_read += 1
-        conversation = row.data if isinstance(row.data, Dropped) else read_conversation(row.data)
-        tokenized = (conversation if isinstance(conversation, Dropped)
-                     else tokenize_conversation(tokenizer, conversation.messages, max_seq_len, end_of_turn))
-        if isinstance(tokenized, Dropped):
-            report.drop(row.row_id, tokenized)
-            continue
-        if conversation.turns_cut:
-            report.shorten(row.row_id, conversation.turns_cut)
-        input_ids, loss_mask, truncated = tokenized
-        columns["sample_id"].append(row.row_id)
-        columns["input_ids"].append(input_ids)
-        columns["loss_mask"].append(loss_mask)
-        columns["seq_len"].append(len(input_ids))
-        report.rows_kept += 1
-        report.truncated_rows += truncated
-        report.tokens += len(input_ids)
-        report.supervised_tokens += sum(loss_mask)
-        if report.rows_read % 2000 == 0:
-            log.info("prepare: %d rows read, %d kept", report.rows_read, report.rows_kept)
-    if not report.rows_kept:
-        raise PrepareError(f"no usable rows in {sources}: dropped {report.dropped}")
-
-    report.wall_s = round(time.monotonic() - t0, 2)
-    _write_atomically(final, columns, report)
+    samples = tokenized_rows(read_rows(sources, max_rows), tokenizer, partial(load_tokenizer, verifier_path,
+                             trust_remote_code), max_seq_len, end_of_turn, workers or default_workers())
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        with _rows_writer(tmp / "rows.arrow") as writer:  # sample by sample: memory stays flat at any size
+            for row, sample in samples:
+                report.rows_read += 1
+                if isinstance(sample, Dropped):
+                    report.drop(row.row_id, sample)
+                else:
+                    writer.write({"sample_id": row.row_id, "input_ids": sample.input_ids,
+                                  "loss_mask": sample.loss_mask, "seq_len": len(sample.input_ids)})
+                    report.count(row.row_id, sample)
+                if report.rows_read % 20000 == 0:
+                    log.info("prepare: %d rows read, %d kept, %.0f rows/s", report.rows_read, report.rows_kept,
+                             report.rows_read / (time.monotonic() - t0))
+            writer.finalize()
+        if not report.rows_kept:
+            raise PrepareError(f"no usable rows in {sources}: dropped {report.dropped}")
+        report.wall_s = round(time.monotonic() - t0, 2)
+        _save_atomically(tmp, final, report)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     log.info(
         "prepare: kept %d of %d rows (%d tokens, %d supervised; %d cut short at an empty turn, %d turns left out); "
-        "dropped %s%s -> %s", report.rows_kept, report.rows_read, report.tokens, report.supervised_tokens,
+        "dropped %s%s in %.0f s -> %s", report.rows_kept, report.rows_read, report.tokens, report.supervised_tokens,
         report.shortened_rows, report.turns_cut, report.dropped or "none",
-        f" (unknown roles {report.unknown_roles})" if report.unknown_roles else "", final,
+        f" (unknown roles {report.unknown_roles})" if report.unknown_roles else "", report.wall_s, final,
     )
     return _result(final)
 
 
-def _write_atomically(final: Path, columns: dict[str, list], report: PrepareReport) -> None:
-    from datasets import Dataset, Features, Sequence, Value
+def _rows_writer(path: Path):
+    """`datasets`' Arrow writer of prepare's columns on a file (`finalize()` it once written)."""
+    from datasets import Features, Sequence, Value
+    from datasets.arrow_writer import ArrowWriter
+
+    return ArrowWriter(features=Features({"sample_id": Value("string"), "input_ids": Sequence(Value("int32")),
+                                          "loss_mask": Sequence(Value("int8")), "seq_len": Value("int32")}),
+                       path=str(path))
+
+
+def _save_atomically(tmp: Path, final: Path, report: PrepareReport) -> None:
+    """The written rows as a `datasets` folder with its report, renamed into place complete."""
+    from datasets import Dataset
     from datasets.utils.logging import disable_progress_bar
 
     disable_progress_bar()
-
-    features = Features({
-        "sample_id": Value("string"),
-        "input_ids": Sequence(Value("int32")),
-        "loss_mask": Sequence(Value("int8")),
-        "seq_len": Value("int32"),
-    })
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    Dataset.from_file(str(tmp / "rows.arrow")).save_to_disk(str(tmp / "data"))
+    (tmp / "rows.arrow").unlink()
+    (tmp / "report.json").write_text(json.dumps(asdict(report), indent=1))
     try:
-        Dataset.from_dict(columns, features=features).save_to_disk(str(tmp / "data"))
-        (tmp / "report.json").write_text(json.dumps(asdict(report), indent=1))
         os.rename(tmp, final)  # report.json inside marks the folder complete
     except OSError:
         if not (final / "report.json").is_file():
             raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _result(folder: Path) -> PreparedData:

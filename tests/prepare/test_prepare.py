@@ -182,6 +182,27 @@ def test_output_is_deterministic_and_keyed_by_content(smollm2, sharegpt, tmp_pat
     assert prepare(smollm2, [str(source)], tmp_path / "a", max_seq_len=128, max_rows=40).fingerprint != edited.fingerprint
 
 
+def test_a_pool_of_tokenizing_processes_writes_what_one_process_writes(smollm2, sharegpt, tmp_path, monkeypatch,
+                                                                        caplog):
+    """Rows go to the worker processes in chunks (of 30 here, 1,000 in a run): the samples, their
+    order, the drops and the report are one process's, across chunk boundaries and the last partial
+    chunk."""
+    from tasks.prepare import samples
+
+    monkeypatch.setattr(samples, "CHUNK_ROWS", 30)
+    one = prepare(smollm2, [sharegpt], tmp_path / "one", max_seq_len=256, max_rows=125, workers=1)
+    with caplog.at_level("INFO", logger="tasks.prepare.samples"):
+        pool = prepare(smollm2, [sharegpt], tmp_path / "pool", max_seq_len=256, max_rows=125, workers=2)
+    assert "tokenizing in 2 processes, chunks of 30 rows" in caplog.text
+    a, b = load_prepared(one.path), load_prepared(pool.path)
+    assert a.features == b.features and len(a) == one.rows == pool.rows > 60
+    for column in a.column_names:
+        assert a[column] == b[column], column
+    report_one, report_pool = read_report(one.path), read_report(pool.path)
+    del report_one["wall_s"], report_pool["wall_s"]
+    assert report_one == report_pool and report_one["rows_read"] == 125 and report_one["dropped"]
+
+
 def test_missing_verifier_and_missing_template_fail_before_any_work(smollm2, sharegpt, tmp_path):
     with pytest.raises(PrepareError, match="verifier folder not found"):
         prepare(str(tmp_path / "nope"), [sharegpt], tmp_path / "out", max_seq_len=128)
