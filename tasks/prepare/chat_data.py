@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,16 +82,19 @@ def _read_source(path: Path) -> Iterator[Row]:
         for i, item in enumerate(load_from_disk(str(path))):
             yield Row(f"{path.name}:{i}", item)
         return
-    text = path.read_text(encoding="utf-8", errors="replace")
-    if text.lstrip().startswith("["):
-        yield from _read_json_array(path.name, text)
-    else:
-        yield from _read_json_lines(path.name, text)
+    with path.open(encoding="utf-8", errors="replace", newline="\n") as f:
+        first = next((chunk.lstrip()[:1] for chunk in iter(lambda: f.read(1 << 16), "") if chunk.strip()), "")
+        f.seek(0)
+        if first == "[":
+            yield from _read_json_array(path.name, f.read())
+        else:  # a line at a time: a file of any size reads in the memory of its longest line
+            yield from _read_json_lines(path.name, f)
 
 
-def _read_json_lines(name: str, text: str) -> Iterator[Row]:
+def _read_json_lines(name: str, lines: Iterable[str]) -> Iterator[Row]:
+    """Lines end at "\n" alone: U+2028, U+2029 and U+0085 may stand unescaped inside a JSON string."""
     index = 0
-    for line in text.splitlines():
+    for line in lines:
         if not line.strip():
             continue
         try:

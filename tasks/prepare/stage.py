@@ -33,7 +33,8 @@ from tasks.prepare.samples import Sample, default_workers, tokenized_rows
 log = logging.getLogger(__name__)
 
 # Bump when the output for the same inputs changes.
-PREPARE_FORMAT = "prepare-v2"  # v2: tool use kept, empty turns cut, control-token strings tokenized as text
+PREPARE_FORMAT = "prepare-v3"  # v2: tool use kept, empty turns cut, control-token strings tokenized as text;
+# v3: JSON Lines split at "\n" alone (a U+2028 inside a string split a row in two)
 
 
 class PrepareError(PermanentError, ValueError):

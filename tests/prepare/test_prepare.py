@@ -143,6 +143,19 @@ def test_truncated_json_array_keeps_every_complete_row(smollm2, tmp_path):
     assert (report["rows_kept"], report["dropped"]) == (2, {"invalid_json": 1})
 
 
+def test_json_lines_end_at_newline_alone_so_unicode_line_separators_stay_inside_their_row(tmp_path):
+    """U+2028, U+2029 and U+0085 may stand unescaped in a JSON string (writers with ensure_ascii off
+    leave them): a row is one line up to "\n", CRLF line ends included."""
+    said = "First line\u2028second line\u2029third\x85fourth"
+    rows = [{"conversations": [{"from": "human", "value": said}, {"from": "gpt", "value": f"Answer {i}."}]}
+            for i in range(3)]
+    source = tmp_path / "separators.jsonl"
+    source.write_bytes("\r\n".join(json.dumps(r, ensure_ascii=False) for r in rows).encode() + b"\n\n")
+    read = list(read_rows([str(source)]))
+    assert [r.row_id for r in read] == ["separators.jsonl:0", "separators.jsonl:1", "separators.jsonl:2"]
+    assert [r.data for r in read] == rows
+
+
 def test_formats_agree_sharegpt_openai_jsonl_and_datasets_folder(smollm2, sharegpt, tmp_path):
     from datasets import Dataset
 
