@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from itertools import chain, islice
 from multiprocessing import get_context
 
@@ -84,8 +85,7 @@ _worker_tokenize: Callable[[Row], Sample | Dropped] | None = None  # this worker
 
 def _start_worker(load_tokenizer: Callable[[], object], max_seq_len: int, end_of_turn: frozenset[int]) -> None:
     global _worker_tokenize
-    tokenizer = load_tokenizer()
-    _worker_tokenize = lambda row: tokenize_row(tokenizer, max_seq_len, end_of_turn, row)  # noqa: E731
+    _worker_tokenize = partial(tokenize_row, load_tokenizer(), max_seq_len, end_of_turn)
 
 
 def _tokenize_chunk(chunk: list[Row]) -> list[Sample | Dropped]:
