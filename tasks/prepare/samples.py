@@ -66,7 +66,8 @@ def tokenized_rows(rows: Iterable[Row], tokenizer, load_tokenizer: Callable[[], 
             yield from ((row, tokenize_row(tokenizer, max_seq_len, end_of_turn, row)) for row in chunk)
         return
     log.info("prepare: tokenizing in %d processes, chunks of %d rows", workers, CHUNK_ROWS)
-    # spawn, not fork: the parent's tokenizer has run its own threads, which a fork would copy mid-use
+    # spawn, not fork: the flow's process runs threads (Prefect's, the tokenizer's) that a fork would
+    # copy mid-use; a spawned worker starts only when a chunk waits and none is idle
     with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_start_worker,
                              initargs=(load_tokenizer, max_seq_len, end_of_turn)) as pool:
         in_flight: deque = deque()
