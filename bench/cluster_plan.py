@@ -15,6 +15,10 @@ Both modes side by side (docs/STREAMING.md): offline keeps every shard on disk a
 once; streamed (extract.mode 'stream') holds at most `--stream-window` shards plus the validation
 shards (`--val-fraction` of them, held out whole) and runs the verifier once per epoch (`--epochs`),
 while the draft trains: the same rates, `--epochs` times the extraction, no disk to rent for it.
+
+Training's steady-state time comes from `tasks.train.sizing` (the rate measured for an 8B-shaped
+draft, scaled by this verifier's draft arithmetic), on every GPU of the nodes (offline: after the
+extraction) and on one node's 8 (streamed on Ray: one node trains while the others produce).
 """
 
 from __future__ import annotations
@@ -26,15 +30,23 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from tasks.common.config import TrainSettings  # noqa: E402
 from tasks.common.progress import format_seconds  # noqa: E402
+from tasks.common.verifier import read_config, text_config  # noqa: E402
 from tasks.extract.plan import ExtractionPlan, plan_shards  # noqa: E402
+from tasks.plan import H100_BF16_TFLOPS  # noqa: E402
+from tasks.train.sizing import size_training  # noqa: E402
+
+GPUS_PER_NODE = 8
 
 
 class Rows:
-    """What plan_shards reads from a prepared dataset, for `n` rows of `length` tokens."""
+    """What plan_shards reads from a prepared dataset, for `n` rows of `length` tokens: the columns, and
+    the token rows as Arrow batches (tasks.prepare.dataset.token_rows), made a batch at a time."""
 
     def __init__(self, n: int, length: int):
         self.n, self.length = n, length
@@ -43,8 +55,14 @@ class Rows:
         return {"seq_len": [self.length] * self.n, "sample_id": [f"c{i}" for i in range(self.n)]}[key]
 
     def with_format(self, _):
-        ids = np.arange(self.length, dtype=np.int32)
-        return {"input_ids": (ids for _ in range(self.n))}
+        return self
+
+    def iter(self, batch_size: int):
+        for first in range(0, self.n, batch_size):
+            rows = min(batch_size, self.n - first)
+            offsets = pa.array(np.arange(rows + 1, dtype=np.int32) * self.length)
+            values = pa.array(np.tile(np.arange(self.length, dtype=np.int32), rows))
+            yield pa.table({"input_ids": pa.ListArray.from_arrays(offsets, values)})
 
 
 def main() -> None:
@@ -62,7 +80,15 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=3, help="train.epochs: verifier passes when streamed")
     p.add_argument("--stream-window", type=int, default=16, help="extract.stream_window, shards")
     p.add_argument("--val-fraction", type=float, default=0.005, help="train.val_fraction: shards held out whole")
+    p.add_argument("--verifier", type=Path, default=Path(__file__).resolve().parents[1] / "deployments" / "verifiers"
+                   / "kimi-k2.5", help="a folder with the verifier's config.json: the draft's shape")
+    p.add_argument("--draft-vocab", type=int, default=32000, help="vocab.draft_vocab_size")
     a = p.parse_args()
+    shape, _ = text_config(read_config(a.verifier))
+
+    def training_s(tokens: int, gpus: int) -> float:
+        train = TrainSettings(epochs=a.epochs, val_fraction=a.val_fraction, nproc=gpus)
+        return size_training(shape, train, a.draft_vocab, tokens, H100_BF16_TFLOPS, H100_BF16_TFLOPS).seconds
 
     shards = plan_shards(Rows(a.conversations, a.tokens), "plan", a.shard_tokens)
     tokens = sum(s.tokens for s in shards)
@@ -83,7 +109,9 @@ def main() -> None:
                      "host_buffers_gb_per_node": summary["host_buffers_gb_per_worker"],
                      "node_tokens_per_s": round(rate), "bound": "compute" if rate == a.node_tokens_per_s else "disk",
                      "expected_time": format_seconds(math.ceil(node_tokens / rate)),
-                     "streamed_extraction_time": format_seconds(math.ceil(a.epochs * node_tokens / rate))})
+                     "streamed_extraction_time": format_seconds(math.ceil(a.epochs * node_tokens / rate)),
+                     "training_time_all_gpus": format_seconds(training_s(tokens, GPUS_PER_NODE * nodes)),
+                     "training_time_one_node": format_seconds(training_s(tokens, GPUS_PER_NODE))})
     held_out = math.ceil(a.val_fraction * len(shards))
     stream_shards = min(len(shards), a.stream_window + held_out)  # per node: each producer rank its own share
     print(plan.describe().splitlines()[0])

@@ -42,6 +42,7 @@ from tasks.extract.writer import extract_shards  # noqa: E402
 from tasks.prepare.dataset import load_prepared  # noqa: E402
 from tasks.train.job import TrainJob  # noqa: E402
 from tasks.train.loop import train_worker  # noqa: E402
+from tasks.train.sizing import draft_flops_per_token  # noqa: E402
 from tasks.train.tracking import read_metrics  # noqa: E402
 from tasks.vocab import build_vocab  # noqa: E402
 
@@ -117,16 +118,6 @@ def make_data(root: Path, verifier: Path, shape: dict, samples: int, seq_len: in
         str(theirs))
     vocab = build_vocab(str(prepared_dir), "bench", str(verifier), root, 32000)
     return prepared_dir, manifest, vocab, theirs, layers[:3]
-
-
-def draft_flops_per_token(shape: dict, draft_vocab: int, ttt_steps: int = 3, aux_layers: int = 3) -> float:
-    """Matmul FLOPs of one training token of a 1-layer EAGLE-3 draft, by count. A weight costs 2 FLOPs
-    per token forward and 4 backward (input and weight gradients); the fc's input needs no gradient,
-    the targets' head (verifier norm + lm_head over the draft vocabulary) runs without one."""
-    h, f = shape["hidden_size"], shape["intermediate_size"]
-    kv = h // shape["num_attention_heads"] * shape["num_key_value_heads"]
-    layer = 2 * h * h + 2 * (2 * h * kv) + h * h + 3 * h * f  # q, k, v from [embedding, hidden]; o; MLP
-    return 6 * ttt_steps * (layer + h * draft_vocab) + 4 * aux_layers * h * h + 2 * h * draft_vocab
 
 
 def steady(values: list[float], skip: int) -> float:

@@ -4,7 +4,9 @@ no model load, no GPU; deployments/verifiers/ holds such folders for the presets
     whether vLLM serves the verifier -> prepare (tokenize the chat data: the tokenizer is all it
     loads) -> the extraction plan (tasks/extract/plan.py: tokens, bytes, shards, host memory, free
     disk) -> a time estimate on the target GPUs: the slower of the extraction rate measured on an
-    H200 (scaled by active parameters) and the writes at the disk's sustained rate
+    H200 (scaled by active parameters) and the writes at the disk's sustained rate; then training's
+    (tasks/train/sizing.py), and both modes' wall time: offline extracts then trains, a stream
+    extracts every epoch while training, at the pace of the slower
 
 - First, before tokenizing anything, it asks whether the installed vLLM can serve the verifier with
   an EAGLE-3 draft (tasks/preflight.py): a run that requires live validation and could not have it
@@ -45,6 +47,7 @@ from tasks.extract.plan import ExtractError, ExtractionPlan, check_disk, check_h
 from tasks.preflight import PreflightError, check_live_validation
 from tasks.prepare.dataset import PreparedData, load_prepared
 from tasks.prepare.stage import prepare
+from tasks.train.sizing import TrainingSize, size_training
 
 log = logging.getLogger(__name__)
 
@@ -81,16 +84,28 @@ class RunSizing:
     serving: str  # whether vLLM here serves the verifier with an EAGLE-3 draft (live validation)
     kept: bool  # the prepared data stays under output_dir
     stream_disk_bytes: int  # extract.mode 'stream': the window and the validation shards (expected count)
-    epochs: int  # verifier passes when streamed: every epoch extracts its shards again
+    training: TrainingSize
+
+    @property
+    def offline_seconds(self) -> float:
+        return self.gpu_seconds + self.training.seconds
+
+    @property
+    def stream_seconds(self) -> float:
+        """The slower of training and its epochs' extraction, which run side by side."""
+        return max(self.training.seconds, self.training.epochs * self.gpu_seconds)
 
     def modes(self) -> list[str]:
-        """Offline and streamed extraction side by side: disk peak, verifier passes, extraction time."""
+        """Offline and streamed side by side: disk peak, verifier passes, extraction and training time."""
+        passes = self.training.epochs
         return [f"  offline: {format_bytes(self.plan.bytes_total)} of hidden states on disk, kept for later runs; the "
-                f"verifier runs once: about {format_seconds(self.gpu_seconds)}, before training",
+                f"verifier runs once, then the draft trains: about {format_seconds(self.offline_seconds)}",
                 "  stream (extract.mode, with train.shuffle_block_shards): at most "
-                f"{format_bytes(self.stream_disk_bytes)} "
-                f"on disk, nothing kept; the verifier runs once per epoch, up to {self.epochs}: about "
-                f"{format_seconds(self.epochs * self.gpu_seconds)} of extraction, during training; with "
+                f"{format_bytes(self.stream_disk_bytes)} on disk, nothing kept; the verifier runs once per epoch "
+                f"begun ({passes}: {format_seconds(passes * self.gpu_seconds)} of extraction) while the draft trains: "
+                f"about {format_seconds(self.stream_seconds)}, the pace of "
+                + ("training" if self.training.seconds >= passes * self.gpu_seconds else "extraction")
+                + " (verifier and draft on GPUs of their own; where they share GPUs, both go slower); with "
                 "extract.stream_cache_epochs: offline's disk and one pass, during the first epoch (docs/STREAMING.md)"]
 
     def summary(self) -> dict:
@@ -102,7 +117,11 @@ class RunSizing:
                 "estimated_time_on_gpu": format_seconds(self.gpu_seconds), "bound_by": self.bound,
                 "problems_here": self.problems,
                 "regenerate": self.regenerate, "live_validation": self.serving,
-                "stream_disk_peak_gb": round(self.stream_disk_bytes / 1e9, 3), "stream_verifier_passes": self.epochs}
+                "train_steps": self.training.steps, "train_tokens_per_s": round(self.training.tokens_per_s),
+                "train_bound_by": self.training.bound, "estimated_train_time": format_seconds(self.training.seconds),
+                "offline_time": format_seconds(self.offline_seconds), "stream_time": format_seconds(self.stream_seconds),
+                "stream_disk_peak_gb": round(self.stream_disk_bytes / 1e9, 3),
+                "stream_verifier_passes": self.training.epochs}
 
     def describe(self) -> str:
         plan = self.plan.describe(estimate=False)  # this machine's speed is no help: the run is elsewhere
@@ -116,6 +135,8 @@ class RunSizing:
                  f"{format_seconds(self.gpu_seconds)}, bound by the {self.bound} (the slower of the rate measured "
                  f"for 8B shapes on an H200, scaled by active parameters, and the writes at "
                  f"{self.disk_bytes_per_s / 1e9:g} GB/s; docs/BENCHMARKS.md)",
+                 f"  training on {self.training.gpus} GPU(s): about {format_seconds(self.training.seconds)} in steady "
+                 f"state, {self.training.describe()}; start-up and validation come on top",
                  *self.modes(),
                  f"  live validation: {self.serving}",
                  f"  prepared data: {self.prepared.path} (the run reuses it)" if self.kept else
@@ -239,10 +260,13 @@ def size_run(config: PipelineConfig, gpu_tflops: float = H100_BF16_TFLOPS, keep:
     compute_s, disk_s = plan.pending_tokens / rate, plan.bytes_to_write / disk_bytes_per_s
     shard_bytes = max(s.tokens for s in plan.shards) * plan.bytes_per_token
     val_shards = math.ceil(config.train.val_fraction * len(plan.shards))  # held out whole in block order
+    shape, _ = text_config(read_config(verifier.path))
+    training = size_training(shape, config.train, min(config.vocab.draft_vocab_size, shape["vocab_size"]),
+                             plan.tokens, gpu_tflops, H100_BF16_TFLOPS)
     return RunSizing(plan, prepared, tokenizer, parameters, active, source, gpus, gpu_tflops, disk_bytes_per_s,
                      max(compute_s, disk_s), "disk" if disk_s > compute_s else "compute", problems,
                      config.data.regenerate.enabled, serving, keep,
-                     min(len(plan.shards), e.stream_window + val_shards) * shard_bytes, config.train.epochs)
+                     min(len(plan.shards), e.stream_window + val_shards) * shard_bytes, training)
 
 
 def serving_line(config: PipelineConfig, verifier: VerifierInfo) -> str:

@@ -4,16 +4,19 @@ written unless asked."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
 import pytest
 
 from flows.cli import main
+from tasks.common.config import load_config
 from tasks.common.progress import format_seconds
 from tasks.common.verifier import TOKENIZER_FILES, WEIGHT_SUFFIXES
 from tasks.plan import H100_BF16_TFLOPS, MEASURED_DISK_BYTES_PER_S, MEASURED_PARAMETERS, MEASURED_TOKENS_PER_S
 from tasks.prepare.dataset import read_report
+from tasks.train.sizing import MEASURED_MAX_STEPS_PER_S, MEASURED_TRAIN_TOKENS_PER_S
 
 DEPLOYMENTS = Path(__file__).resolve().parents[2] / "deployments"
 
@@ -68,6 +71,15 @@ def test_the_one_gpu_preset_is_planned_on_cpu_without_weights(config_only, tmp_p
     assert sized["tokenizer"] == "the verifier's own tokenizer"
     # streamed: one shard here, so the whole data is the window; the verifier runs once per epoch
     assert sized["stream_disk_peak_gb"] == sized["bytes_total_gb"] and sized["stream_verifier_passes"] == 10
+    # training: every epoch of the held-in tokens in 8192-token steps, at the rate measured for this very
+    # draft shape (8B), which its matmuls bound; offline extracts then trains
+    config = load_config(PRESET)
+    assert sized["train_steps"] == 10 * math.ceil(tokens * (1 - config.train.val_fraction) / 8192)
+    assert sized["train_bound_by"] == "arithmetic"
+    assert sized["train_tokens_per_s"] == pytest.approx(MEASURED_TRAIN_TOKENS_PER_S, rel=1e-3)
+    train_s = sized["train_steps"] * 8192 / sized["train_tokens_per_s"]
+    assert sized["estimated_train_time"] == format_seconds(train_s)
+    assert sized["stream_time"] == format_seconds(max(train_s, 10 * tokens * 4 * 4096 * 2 / MEASURED_DISK_BYTES_PER_S))
     assert (tmp_path / "out" / "hidden_states").is_dir() and not list((tmp_path / "out" / "hidden_states").iterdir())
 
     # the weights' index gives the parameter count when present; the text names the caveats
@@ -108,8 +120,44 @@ def test_a_preset_is_planned_from_its_config_only_folder_and_nothing_is_left_beh
     assert not out.exists()  # nothing written: no prepared data, no hidden_states folder
 
 
+def test_a_small_drafts_training_is_planned_at_the_hosts_step_rate_and_streams_at_its_pace(tmp_path, capsys):
+    """The SmolLM2 preset: a draft too small to fill a GPU trains at the step rate measured on the host;
+    its max_steps ends training within a few epochs, and a stream extracts only the epochs begun, at the
+    pace of training (its shards write far faster than the draft trains)."""
+    preset = DEPLOYMENTS / "smollm2-h200.yaml"
+    code, out_json = plan(capsys, f"output_dir={tmp_path / 'out'}", "data.max_rows=300", "data.synthesize.prompts=0",
+                          "extract.reserve_disk_gb=0", "train.max_steps=100", "train.total_seq_len=1024",
+                          keep=False, preset=preset)
+    assert code == 0, out_json
+    sized = json.loads(out_json)
+    steps_per_epoch = math.ceil(sized["tokens"] * (1 - load_config(preset).train.val_fraction) / 1024)
+    assert sized["train_bound_by"] == "host" and sized["train_tokens_per_s"] == round(MEASURED_MAX_STEPS_PER_S * 1024)
+    assert sized["train_steps"] == 100 < 6 * steps_per_epoch  # max_steps, before the preset's 6 epochs end
+    assert sized["stream_verifier_passes"] == math.ceil(100 / steps_per_epoch) < 6
+    assert sized["stream_time"] == sized["estimated_train_time"] == format_seconds(100 / MEASURED_MAX_STEPS_PER_S)
+
+
 def test_plan_names_a_missing_verifier_folder(tmp_path, capsys):
     code = main(["plan", str(PRESET), "--set", f"verifier.path={tmp_path / 'absent'}",
                  "--set", f"output_dir={tmp_path / 'out'}"])
     assert code == 2 and "verifier folder not found" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_cluster_plan_bench_sizes_both_modes_from_the_plan_code():
+    """bench/cluster_plan.py (docs/SCALE.md's tables) on the pipeline's own plan and sizing code: the
+    shards, the nodes' shares and training on every GPU against one node's."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "bench/cluster_plan.py", "--conversations", "3000", "--nodes", "1", "2"],
+                         capture_output=True, text=True, cwd=DEPLOYMENTS.parent, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    sized = json.loads(run.stdout[run.stdout.index("{"):])
+    assert sized["plan"]["tokens"] == 3000 * 2048 and sized["bytes_per_token"] == 4 * 7168 * 2
+    one, two = sized["nodes"]
+    assert one["tokens_per_node"] == sized["plan"]["tokens"] and two["shards_per_node"] == math.ceil(
+        sized["plan"]["shards"] / 2)
+    assert one["training_time_all_gpus"] == one["training_time_one_node"] == two["training_time_one_node"]
+    assert two["training_time_all_gpus"] != two["training_time_one_node"]  # 16 GPUs against 8
+    assert sized["stream"]["verifier_passes"] == 3
