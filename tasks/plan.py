@@ -43,7 +43,14 @@ from tasks.common.verifier import (
     text_config,
 )
 from tasks.common.vllm_support import eagle3_support
-from tasks.extract.plan import ExtractError, ExtractionPlan, check_disk, check_host_memory, make_plan
+from tasks.extract.plan import (
+    MEASURED_MAX_TOKENS_PER_S,
+    ExtractError,
+    ExtractionPlan,
+    check_disk,
+    check_host_memory,
+    make_plan,
+)
 from tasks.preflight import PreflightError, check_live_validation
 from tasks.prepare.dataset import PreparedData, load_prepared
 from tasks.prepare.stage import prepare
@@ -60,8 +67,9 @@ MEASURED_TOKENS_PER_S = {"eager": 28_741, "compiled": 32_446}
 MEASURED_PARAMETERS = 8.03e9
 # What the H200 machine's disk sustained under extraction's writes: 1.0-1.2 GB/s (SmolLM2 preset: 225,451
 # tokens/s x 4,608 bytes in bf16, 431,290 x 2,304 in fp8; 8B shapes: 1.06-1.2 GB/s; docs/BENCHMARKS.md).
-# A small verifier computes far faster than any disk takes its states: scaled from 8B shapes, SmolLM2
-# would extract ~2M tokens/s; the disk bound says 217k, and 225,451 were measured.
+# A small verifier's writes outpace most disks: scaled from 8B shapes, SmolLM2 would extract ~2M
+# tokens/s (no extraction was measured past MEASURED_MAX_TOKENS_PER_S); the disk bound says 217k in
+# bf16, and 225,451 were measured.
 MEASURED_DISK_BYTES_PER_S = 1.0e9
 STAND_IN_TOKENIZER = "smollm2-135m-instruct"  # the demo's asset (tasks/common/demo_assets.py)
 
@@ -133,7 +141,8 @@ class RunSizing:
                  f"  verifier: {self.parameters / 1e9:.2f} B parameters{active} (from {self.parameters_from}); "
                  f"extraction on {self.gpus} GPU(s) of {self.gpu_tflops:g} dense bf16 TFLOP/s: about "
                  f"{format_seconds(self.gpu_seconds)}, bound by the {self.bound} (the slower of the rate measured "
-                 f"for 8B shapes on an H200, scaled by active parameters, and the writes at "
+                 f"for 8B shapes on an H200, scaled by active parameters up to the fastest extraction measured, "
+                 f"{MEASURED_MAX_TOKENS_PER_S:,} tokens/s a GPU, and the writes at "
                  f"{self.disk_bytes_per_s / 1e9:g} GB/s; docs/BENCHMARKS.md)",
                  f"  training on {self.training.gpus} GPU(s): about {format_seconds(self.training.seconds)} in steady "
                  f"state, {self.training.describe()}; start-up and validation come on top",
@@ -255,8 +264,8 @@ def size_run(config: PipelineConfig, gpu_tflops: float = H100_BF16_TFLOPS, keep:
             problems.append(str(e))
     e = config.extract
     gpus = e.tensor_parallel_size if e.backend == "vllm" else e.workers
-    rate = MEASURED_TOKENS_PER_S["compiled" if e.compile else "eager"] * (MEASURED_PARAMETERS / active) * (
-        gpu_tflops / H100_BF16_TFLOPS) * gpus
+    rate = min(MEASURED_TOKENS_PER_S["compiled" if e.compile else "eager"] * (MEASURED_PARAMETERS / active),
+               MEASURED_MAX_TOKENS_PER_S) * (gpu_tflops / H100_BF16_TFLOPS) * gpus
     compute_s, disk_s = plan.pending_tokens / rate, plan.bytes_to_write / disk_bytes_per_s
     shard_bytes = max(s.tokens for s in plan.shards) * plan.bytes_per_token
     val_shards = math.ceil(config.train.val_fraction * len(plan.shards))  # held out whole in block order

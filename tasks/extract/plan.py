@@ -45,6 +45,10 @@ log = logging.getLogger(__name__)
 
 LAYERS_STORED = 4  # 3 auxiliary + the last
 DISK_PROBE_BYTES = 64 * 2**20  # written and synced once per plan that writes more than 16 times this
+# No extraction measured on a GPU has run faster: SmolLM2-135M with fp8 shards, 431,290 tokens/s
+# steady on one H200 (docs/BENCHMARKS.md, 2026-12-04; 310,933 on an H100, 2026-12-06). A small
+# verifier's kernels are too short to fill a GPU: its FLOPs promised 545k-705k tokens/s there.
+MEASURED_MAX_TOKENS_PER_S = 431_290
 WRITER_BUFFERS = 3  # shards in host memory per worker: one filling, two queued or being written
 
 
@@ -151,7 +155,8 @@ class ExtractionPlan:
             return text
         return text + (
             f"\n  estimated time for {s['tokens_to_extract']:,} tokens: {s['estimated_time']} (rough: the slower of "
-            "the weights' FLOPs at 40% of this device's matmul rate in the compute dtype"
+            "the weights' FLOPs at 40% of this device's matmul rate in the compute dtype (on a GPU, at most "
+            f"{MEASURED_MAX_TOKENS_PER_S:,} tokens/s, the fastest extraction measured)"
             + (f" and the writes at the {s['disk_write_gb_per_s']} GB/s this disk took" if self.disk_bytes_per_s else "")
             + "; corrected from the first measured batches)"
         )
@@ -268,15 +273,17 @@ def existing_shards(out_dir: Path, shards: list[ShardSpec]) -> tuple[list[str], 
 
 def estimate_seconds(verifier: VerifierInfo, tokens: int, compute_dtype: str) -> float | None:
     """2 x parameters FLOPs per token at 40% of a matmul rate measured here, in the compute dtype
-    (bf16 matmuls run 2.5x faster than fp32 on a CPU with AVX512-BF16), in a fraction of a second.
-    An overestimate for MoE verifiers (only the active experts compute)."""
+    (bf16 matmuls run 2.5x faster than fp32 on a CPU with AVX512-BF16), in a fraction of a second;
+    on a GPU, no faster than any extraction was measured to run. An overestimate for MoE verifiers
+    (only the active experts compute)."""
     if not tokens:
         return 0.0
     bytes_per_param = {".gguf": 0.6}.get(Path(verifier.weight_files[0]).suffix, 2) if verifier.weight_files else 2
     params = verifier.weight_bytes / bytes_per_param
     device = "cuda" if torch.cuda.is_available() else "cpu"
     flops = matmul_flops_per_s(device, getattr(torch, compute_dtype), 4096 if device == "cuda" else 1024, reps=3)
-    return 2 * params * tokens / (0.4 * flops)
+    seconds = 2 * params * tokens / (0.4 * flops)
+    return max(seconds, tokens / MEASURED_MAX_TOKENS_PER_S) if device == "cuda" else seconds
 
 
 def bf16_matmul_peak(device: str) -> float:

@@ -14,6 +14,7 @@ from flows.cli import main
 from tasks.common.config import load_config
 from tasks.common.progress import format_seconds
 from tasks.common.verifier import TOKENIZER_FILES, WEIGHT_SUFFIXES
+from tasks.extract.plan import MEASURED_MAX_TOKENS_PER_S
 from tasks.plan import H100_BF16_TFLOPS, MEASURED_DISK_BYTES_PER_S, MEASURED_PARAMETERS, MEASURED_TOKENS_PER_S
 from tasks.prepare.dataset import read_report
 from tasks.train.sizing import MEASURED_MAX_STEPS_PER_S, MEASURED_TRAIN_TOKENS_PER_S
@@ -135,6 +136,14 @@ def test_a_small_drafts_training_is_planned_at_the_hosts_step_rate_and_streams_a
     assert sized["train_steps"] == 100 < 6 * steps_per_epoch  # max_steps, before the preset's 6 epochs end
     assert sized["stream_verifier_passes"] == math.ceil(100 / steps_per_epoch) < 6
     assert sized["stream_time"] == sized["estimated_train_time"] == format_seconds(100 / MEASURED_MAX_STEPS_PER_S)
+
+    # on a disk that takes anything, a small verifier's extraction is bound by the fastest one measured,
+    # not by its FLOPs (135M parameters: ~50x that rate scaled from 8B shapes)
+    main(["plan", str(preset), "--set", f"output_dir={tmp_path / 'out'}", "--set", "data.max_rows=300", "--set",
+          "data.synthesize.prompts=0", "--set", "extract.reserve_disk_gb=0", "--json", "--disk-gb-per-s", "1000"])
+    fast_disk = json.loads(capsys.readouterr().out)
+    assert fast_disk["bound_by"] == "compute"
+    assert fast_disk["estimated_time_on_gpu"] == format_seconds(fast_disk["tokens"] / MEASURED_MAX_TOKENS_PER_S)
 
 
 def test_plan_names_a_missing_verifier_folder(tmp_path, capsys):
