@@ -7,8 +7,8 @@ side in one run; and the same at K times the rows (memory must not grow with the
 The data (default: the demo's SmolLM2 and ShareGPT) is written K times into one JSONL file per
 `--copies` value. Each (copies, workers) pair runs `tasks.prepare.stage.prepare` in a fresh process
 into a fresh folder, timed from the call to its return (tokenizer load, pool start and the
-`datasets` write included: what a user waits for), its peak resident memory and its workers' taken
-from getrusage. Prints one JSON object; `--record` stores the figures (bench/record.py).
+`datasets` write included: what a user waits for), the CPU time of the calling process alone (what
+bounds a pool of many workers), its peak resident memory and its workers' taken from getrusage. Prints one JSON object; `--record` stores the figures (bench/record.py).
 """
 
 from __future__ import annotations
@@ -32,10 +32,11 @@ def child(verifier: str, data: str, out: str, max_seq_len: int, workers: int) ->
     """One timed prepare in this process; prints its figures."""
     from tasks.prepare.stage import prepare
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     result = prepare(verifier, [data], out, max_seq_len=max_seq_len, workers=workers)
-    wall = time.perf_counter() - t0
+    wall, parent_cpu = time.perf_counter() - t0, time.process_time() - cpu0
     print(json.dumps({"rows": result.rows, "tokens": result.tokens, "wall_s": round(wall, 2),
+                      "parent_cpu_s": round(parent_cpu, 2),  # this process alone: reading, sending, writing
                       "rows_per_s": round(result.rows / wall, 1),
                       "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
                       "peak_worker_rss_gb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20, 3)}))
