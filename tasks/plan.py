@@ -93,6 +93,7 @@ class RunSizing:
     kept: bool  # the prepared data stays under output_dir
     stream_disk_bytes: int  # extract.mode 'stream': the window and the validation shards (expected count)
     training: TrainingSize
+    stream_shares_gpus: bool  # cluster.executor 'local': the producers run on training's own GPUs
 
     @property
     def offline_seconds(self) -> float:
@@ -100,8 +101,12 @@ class RunSizing:
 
     @property
     def stream_seconds(self) -> float:
-        """The slower of training and its epochs' extraction, which run side by side."""
-        return max(self.training.seconds, self.training.epochs * self.gpu_seconds)
+        """On GPUs of their own (Ray), the slower of training and its epochs' extraction, side by side.
+        On shared GPUs (one machine), at most their sum: the two processes take turns on each GPU, and
+        overlap only where training leaves it idle (measured on one H100, SmolLM2 preset: training ran
+        at 0.82 of its offline rate while the producer extracted 3.2 epochs; docs/BENCHMARKS.md)."""
+        passes = self.training.epochs * self.gpu_seconds
+        return self.training.seconds + passes if self.stream_shares_gpus else max(self.training.seconds, passes)
 
     def modes(self) -> list[str]:
         """Offline and streamed side by side: disk peak, verifier passes, extraction and training time."""
@@ -111,10 +116,13 @@ class RunSizing:
                 "  stream (extract.mode, with train.shuffle_block_shards): at most "
                 f"{format_bytes(self.stream_disk_bytes)} on disk, nothing kept; the verifier runs once per epoch "
                 f"begun ({passes}: {format_seconds(passes * self.gpu_seconds)} of extraction) while the draft trains: "
-                f"about {format_seconds(self.stream_seconds)}, the pace of "
-                + ("training" if self.training.seconds >= passes * self.gpu_seconds else "extraction")
-                + " (verifier and draft on GPUs of their own; where they share GPUs, both go slower); with "
-                "extract.stream_cache_epochs: offline's disk and one pass, during the first epoch (docs/STREAMING.md)"]
+                + (f"at most {format_seconds(self.stream_seconds)} (on this machine they share the GPUs and take "
+                   "turns on them)" if self.stream_shares_gpus else
+                   f"about {format_seconds(self.stream_seconds)}, the pace of "
+                   + ("training" if self.training.seconds >= passes * self.gpu_seconds else "extraction")
+                   + " (producers and training on GPUs of their own)")
+                + "; with extract.stream_cache_epochs: offline's disk and one pass, during the first epoch "
+                "(docs/STREAMING.md)"]
 
     def summary(self) -> dict:
         plan = {k: v for k, v in self.plan.summary().items() if k not in ("estimated_time", "planned_estimate")}
@@ -129,6 +137,7 @@ class RunSizing:
                 "train_bound_by": self.training.bound, "estimated_train_time": format_seconds(self.training.seconds),
                 "offline_time": format_seconds(self.offline_seconds), "stream_time": format_seconds(self.stream_seconds),
                 "stream_disk_peak_gb": round(self.stream_disk_bytes / 1e9, 3),
+                "stream_shares_gpus": self.stream_shares_gpus,
                 "stream_verifier_passes": self.training.epochs}
 
     def describe(self) -> str:
@@ -275,7 +284,8 @@ def size_run(config: PipelineConfig, gpu_tflops: float = H100_BF16_TFLOPS, keep:
     return RunSizing(plan, prepared, tokenizer, parameters, active, source, gpus, gpu_tflops, disk_bytes_per_s,
                      max(compute_s, disk_s), "disk" if disk_s > compute_s else "compute", problems,
                      config.data.regenerate.enabled, serving, keep,
-                     min(len(plan.shards), e.stream_window + val_shards) * shard_bytes, training)
+                     min(len(plan.shards), e.stream_window + val_shards) * shard_bytes, training,
+                     config.cluster.executor == "local")
 
 
 def serving_line(config: PipelineConfig, verifier: VerifierInfo) -> str:

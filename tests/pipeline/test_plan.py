@@ -80,7 +80,9 @@ def test_the_one_gpu_preset_is_planned_on_cpu_without_weights(config_only, tmp_p
     assert sized["train_tokens_per_s"] == pytest.approx(MEASURED_TRAIN_TOKENS_PER_S, rel=1e-3)
     train_s = sized["train_steps"] * 8192 / sized["train_tokens_per_s"]
     assert sized["estimated_train_time"] == format_seconds(train_s)
-    assert sized["stream_time"] == format_seconds(max(train_s, 10 * tokens * 4 * 4096 * 2 / MEASURED_DISK_BYTES_PER_S))
+    # on one machine the producer takes turns with training on the GPU: at most the sum of the two
+    assert sized["stream_shares_gpus"] is True
+    assert sized["stream_time"] == format_seconds(train_s + 10 * tokens * 4 * 4096 * 2 / MEASURED_DISK_BYTES_PER_S)
     assert (tmp_path / "out" / "hidden_states").is_dir() and not list((tmp_path / "out" / "hidden_states").iterdir())
 
     # the weights' index gives the parameter count when present; the text names the caveats
@@ -123,19 +125,29 @@ def test_a_preset_is_planned_from_its_config_only_folder_and_nothing_is_left_beh
 
 def test_a_small_drafts_training_is_planned_at_the_hosts_step_rate_and_streams_at_its_pace(tmp_path, capsys):
     """The SmolLM2 preset: a draft too small to fill a GPU trains at the step rate measured on the host;
-    its max_steps ends training within a few epochs, and a stream extracts only the epochs begun, at the
-    pace of training (its shards write far faster than the draft trains)."""
+    its max_steps ends training within a few epochs, and a stream extracts only the epochs begun. On GPUs
+    of their own (Ray) the stream goes at training's pace (its shards write far faster than the draft
+    trains); on one machine the producer takes turns with training on the GPU (at most the sum)."""
     preset = DEPLOYMENTS / "smollm2-h200.yaml"
-    code, out_json = plan(capsys, f"output_dir={tmp_path / 'out'}", "data.max_rows=300", "data.synthesize.prompts=0",
-                          "extract.reserve_disk_gb=0", "train.max_steps=100", "train.total_seq_len=1024",
-                          keep=False, preset=preset)
+    settings = (f"output_dir={tmp_path / 'out'}", "data.max_rows=300", "data.synthesize.prompts=0",
+                "extract.reserve_disk_gb=0", "train.max_steps=100", "train.total_seq_len=1024")
+    code, out_json = plan(capsys, *settings, keep=False, preset=preset)
     assert code == 0, out_json
     sized = json.loads(out_json)
     steps_per_epoch = math.ceil(sized["tokens"] * (1 - load_config(preset).train.val_fraction) / 1024)
     assert sized["train_bound_by"] == "host" and sized["train_tokens_per_s"] == round(MEASURED_MAX_STEPS_PER_S * 1024)
     assert sized["train_steps"] == 100 < 6 * steps_per_epoch  # max_steps, before the preset's 6 epochs end
-    assert sized["stream_verifier_passes"] == math.ceil(100 / steps_per_epoch) < 6
-    assert sized["stream_time"] == sized["estimated_train_time"] == format_seconds(100 / MEASURED_MAX_STEPS_PER_S)
+    passes = sized["stream_verifier_passes"]
+    assert passes == math.ceil(100 / steps_per_epoch) < 6
+    train_s, extract_s = 100 / MEASURED_MAX_STEPS_PER_S, sized["tokens"] / MEASURED_MAX_TOKENS_PER_S  # fp8: compute
+    assert sized["estimated_train_time"] == format_seconds(train_s)
+    assert sized["stream_shares_gpus"] and sized["stream_time"] == format_seconds(train_s + passes * extract_s)
+    assert sized["offline_time"] == format_seconds(train_s + extract_s)
+
+    code, out_json = plan(capsys, *settings, "cluster.executor=ray", keep=False, preset=preset)
+    assert code == 0, out_json
+    on_ray = json.loads(out_json)
+    assert not on_ray["stream_shares_gpus"] and on_ray["stream_time"] == on_ray["estimated_train_time"]
 
     # on a disk that takes anything, a small verifier's extraction is bound by the fastest one measured,
     # not by its FLOPs (135M parameters: ~50x that rate scaled from 8B shapes)
