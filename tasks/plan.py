@@ -272,7 +272,7 @@ def size_run(config: PipelineConfig, gpu_tflops: float = H100_BF16_TFLOPS, keep:
         except ExtractError as e:
             problems.append(str(e))
     e = config.extract
-    gpus = e.tensor_parallel_size if e.backend == "vllm" else e.workers
+    gpus = e.gpus
     rate = min(MEASURED_TOKENS_PER_S["compiled" if e.compile else "eager"] * (MEASURED_PARAMETERS / active),
                MEASURED_MAX_TOKENS_PER_S) * (gpu_tflops / H100_BF16_TFLOPS) * gpus
     compute_s, disk_s = plan.pending_tokens / rate, plan.bytes_to_write / disk_bytes_per_s

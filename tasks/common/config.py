@@ -167,6 +167,12 @@ class ExtractSettings(Section):
         "unchanged since they were written and checksummed (for multi-TB runs) and checks their token ids.",
     )
 
+    @property
+    def gpus(self) -> int:
+        """GPUs one extraction on a machine computes on: the vLLM engine's tensor-parallel size, or one
+        per transformers worker."""
+        return self.tensor_parallel_size if self.backend == "vllm" else self.workers
+
     @model_validator(mode="after")
     def _transformers_options(self):
         if self.backend == "vllm" and (self.packing or self.compile):

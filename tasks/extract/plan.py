@@ -156,7 +156,7 @@ class ExtractionPlan:
         return text + (
             f"\n  estimated time for {s['tokens_to_extract']:,} tokens: {s['estimated_time']} (rough: the slower of "
             "the weights' FLOPs at 40% of this device's matmul rate in the compute dtype (on a GPU, at most "
-            f"{MEASURED_MAX_TOKENS_PER_S:,} tokens/s, the fastest extraction measured)"
+            f"{MEASURED_MAX_TOKENS_PER_S:,} tokens/s a GPU, the fastest extraction measured, each GPU its share)"
             + (f" and the writes at the {s['disk_write_gb_per_s']} GB/s this disk took" if self.disk_bytes_per_s else "")
             + "; corrected from the first measured batches)"
         )
@@ -201,10 +201,10 @@ def plan_shards(prepared, extraction_fp: str, shard_tokens: int) -> list[ShardSp
 
 def make_plan(prepared, verifier: VerifierInfo, layers: list[int], out_dir: Path, *, compute_dtype: str,
               shard_tokens: int, storage_dtype: str = "bf16", check_existing: bool = True,
-              estimate: bool = True) -> ExtractionPlan:
+              estimate: bool = True, gpus: int = 1) -> ExtractionPlan:
     """The plan for `out_dir`. `estimate`: time it (a matmul timing, and a disk probe for plans
-    over 1 GiB); the parent that reports the plan does, the worker processes that only need its
-    shards do not."""
+    over 1 GiB) for `gpus` GPUs computing (the disk is one, shared by them); the parent that reports
+    the plan does, the worker processes that only need its shards do not."""
     verifier_fp = verifier_fingerprint(verifier.path)
     fp = extraction_fingerprint(verifier_fp, layers, compute_dtype, storage_dtype)
     shards = plan_shards(prepared, fp, shard_tokens)
@@ -216,7 +216,7 @@ def make_plan(prepared, verifier: VerifierInfo, layers: list[int], out_dir: Path
         plan.done, plan.stale_bytes = existing_shards(out_dir, shards)
     if not estimate:
         return plan
-    plan.est_seconds = estimate_seconds(verifier, plan.pending_tokens, compute_dtype)
+    plan.est_seconds = estimate_seconds(verifier, plan.pending_tokens, compute_dtype, gpus)
     if plan.bytes_to_write > 16 * DISK_PROBE_BYTES:
         # A small verifier's extraction writes faster than most disks take it (SmolLM2: 4.6 KB per
         # token at 600k+ tokens/s of forward): the plan is the slower of the two.
@@ -271,19 +271,27 @@ def existing_shards(out_dir: Path, shards: list[ShardSpec]) -> tuple[list[str], 
     return done, stale
 
 
-def estimate_seconds(verifier: VerifierInfo, tokens: int, compute_dtype: str) -> float | None:
-    """2 x parameters FLOPs per token at 40% of a matmul rate measured here, in the compute dtype
-    (bf16 matmuls run 2.5x faster than fp32 on a CPU with AVX512-BF16), in a fraction of a second;
-    on a GPU, no faster than any extraction was measured to run. An overestimate for MoE verifiers
-    (only the active experts compute)."""
+def estimate_seconds(verifier: VerifierInfo, tokens: int, compute_dtype: str, gpus: int = 1) -> float | None:
+    """The compute time of `tokens` (compute_seconds) at a matmul rate measured here in the compute
+    dtype (bf16 matmuls run 2.5x faster than fp32 on a CPU with AVX512-BF16), in a fraction of a
+    second. `gpus`: the GPUs the extraction computes on (ExtractSettings.gpus)."""
     if not tokens:
         return 0.0
     bytes_per_param = {".gguf": 0.6}.get(Path(verifier.weight_files[0]).suffix, 2) if verifier.weight_files else 2
-    params = verifier.weight_bytes / bytes_per_param
     device = "cuda" if torch.cuda.is_available() else "cpu"
     flops = matmul_flops_per_s(device, getattr(torch, compute_dtype), 4096 if device == "cuda" else 1024, reps=3)
-    seconds = 2 * params * tokens / (0.4 * flops)
-    return max(seconds, tokens / MEASURED_MAX_TOKENS_PER_S) if device == "cuda" else seconds
+    return compute_seconds(verifier.weight_bytes / bytes_per_param, tokens, flops, gpus if device == "cuda" else None)
+
+
+def compute_seconds(parameters: float, tokens: int, flops_per_s: float, gpus: int | None) -> float:
+    """2 x parameters FLOPs per token at 40% of `flops_per_s` (one device's matmul rate); on `gpus`
+    GPUs, each its share of the tokens and no faster than any extraction was measured to run on one
+    (MEASURED_MAX_TOKENS_PER_S). `gpus` None: the CPU, whose workers share its cores and its rate.
+    An overestimate for MoE verifiers (only the active experts compute)."""
+    seconds = 2 * parameters * tokens / (0.4 * flops_per_s)
+    if gpus is None:
+        return seconds
+    return max(seconds, tokens / MEASURED_MAX_TOKENS_PER_S) / gpus
 
 
 def bf16_matmul_peak(device: str) -> float:

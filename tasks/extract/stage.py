@@ -171,7 +171,7 @@ def _run_extraction(job: ExtractJob, in_process: bool, callback: ProgressCallbac
         partial.unlink(missing_ok=True)
     prepared, verifier, layers = load_inputs(job)
     plan = make_plan(prepared, verifier, layers, out_dir, compute_dtype=job.compute_dtype,
-                     shard_tokens=s.shard_tokens, storage_dtype=s.storage_dtype)
+                     shard_tokens=s.shard_tokens, storage_dtype=s.storage_dtype, gpus=s.gpus)
     log.info("%s", plan.describe())
     if on_plan is not None:
         on_plan(plan)

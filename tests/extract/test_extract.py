@@ -299,3 +299,26 @@ def test_the_plan_measures_the_disk_it_writes_to(tmp_path):
     rate = disk_write_rate(tmp_path)
     assert rate and rate > 1e6 and not list(tmp_path.iterdir())
     assert disk_write_rate(tmp_path / "absent") is None  # cannot write there: no disk bound, no error
+
+
+def test_the_compute_estimate_divides_over_the_gpus_and_not_over_cpu_workers():
+    """With extract.workers N (or a vLLM engine over N GPUs), each GPU extracts its share: the
+    planned compute time is 1/N, each capped at the fastest extraction measured on one GPU; CPU
+    workers share one machine's cores, and its measured rate."""
+    from tasks.extract.plan import MEASURED_MAX_TOKENS_PER_S, compute_seconds
+
+    parameters, tokens, flops = 8e9, 1_000_000, 4e14  # 8B shapes at 40% of 400 TFLOP/s: 100 s
+    one = compute_seconds(parameters, tokens, flops, gpus=1)
+    assert one == pytest.approx(2 * parameters * tokens / (0.4 * flops)) == pytest.approx(100)
+    assert compute_seconds(parameters, tokens, flops, gpus=4) == pytest.approx(one / 4)
+    small = 135e6  # SmolLM2: its FLOPs promise more than any GPU was measured to extract
+    assert compute_seconds(small, tokens, flops, gpus=1) == pytest.approx(tokens / MEASURED_MAX_TOKENS_PER_S)
+    assert compute_seconds(small, tokens, flops, gpus=2) == pytest.approx(tokens / MEASURED_MAX_TOKENS_PER_S / 2)
+    assert compute_seconds(parameters, tokens, flops, gpus=None) == pytest.approx(one)  # the CPU: no cap, no share
+
+
+def test_extraction_computes_on_one_gpu_per_worker_or_the_vllm_engines_tensor_parallel_size():
+    from tasks.common.config import ExtractSettings
+
+    assert ExtractSettings(workers=4).gpus == 4
+    assert ExtractSettings(backend="vllm", tensor_parallel_size=8, workers=2).gpus == 8
