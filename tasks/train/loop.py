@@ -16,7 +16,8 @@ the accelerator every step), so this is one lean loop that runs the same on CPU 
   and the counted metrics it shares with the loop are in tasks/train/evaluation.py.
 - Checkpoints (tasks/train/checkpoints.py) hold the draft and the training state, the metrics window
   included; after a kill, training resumes from the last complete checkpoint and follows the
-  uninterrupted run's trajectory, its metrics log included.
+  uninterrupted run's trajectory, its metrics log included. With them, torch.compile's work is kept
+  for a process on another machine (tasks/train/compile_cache.py).
 - `train.on_policy_steps`: the run's last steps train on the states the draft's own drafting reaches
   (tasks/train/on_policy.py): each micro-batch is drafted first, without gradients, and the loss
   weighs only the (start, step) pairs replayed greedy decoding runs.
@@ -50,6 +51,7 @@ from tasks.train.checkpoints import (
     resume_newest_intact,
     save_checkpoint,
 )
+from tasks.train.compile_cache import CompileCache
 from tasks.train.data import (
     MODEL_INPUTS,
     ShardDataset,
@@ -102,6 +104,9 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     out_dir = Path(job.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)  # the stage makes it; a direct call (bench/train_speed.py) may not
+    # beside the run folders of this output folder's training (output_dir/train/<fingerprint>)
+    compile_cache = CompileCache(out_dir.parent / ".compile-cache", device)
+    compile_cache.load()
     manifest = read_manifest(job.manifest)
     d2t, t2d, draft_vocab = check_inputs(job, manifest)
 
@@ -261,6 +266,8 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
                 if rank == 0:
                     save_checkpoint(out_dir, model, optimizers, schedulers,
                                     {"step": step, "best": best, "window": window}, s.keep_checkpoints, best["step"])
+                    if val or not val_set:  # the training and validation graphs are compiled
+                        compile_cache.save()
                 if world > 1:
                     dist.barrier()
                 if stream is not None and rank == 0:
