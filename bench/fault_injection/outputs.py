@@ -47,7 +47,12 @@ def same_training(folder: Path, reference: Path) -> tuple[bool, str]:
 
 
 def train_folder(flow_out: Path) -> Path:
-    return next((flow_out / "train").iterdir())
+    return next(train_runs(flow_out))
+
+
+def train_runs(flow_out: Path):
+    """The training runs of a flow's output folder (train/.compile-cache beside them is not one)."""
+    return (p for p in sorted((flow_out / "train").glob("*")) if not p.name.startswith("."))
 
 
 # ---------------------------------------------------------------- temporaries and what a kill left
@@ -97,7 +102,7 @@ def snapshot(stage: str, out: Path) -> dict:
     state = {"shards": {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in hidden.glob("shard-*.safetensors")}}
     if stage == "regenerate":
         state["recorded"] = recorded_conversations(out)
-    trains = ([out] if stage == "train" else list((out / "train").glob("*")) if stage == "flow" else
+    trains = ([out] if stage == "train" else list(train_runs(out)) if stage == "flow" else
               [out / "train"] if stage == "stream" else [])
     if trains and (trains[0] / "metrics.jsonl").is_file():
         steps = [json.loads(line)["step"] for line in (trains[0] / "metrics.jsonl").read_text().splitlines()
