@@ -67,7 +67,7 @@ class CompileCache:
         path = self.folder / f"{hashlib.sha256(chr(10).join(keys).encode() if keys else data).hexdigest()[:16]}.bin"
         if path.is_file():  # another process kept the same set
             return None
-        tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # never read as a cache file (*.bin)
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             tmp.write_bytes(data)
