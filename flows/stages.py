@@ -63,8 +63,8 @@ VOCAB_CODE = ("tasks.vocab", "tasks.prepare.dataset", "tasks.common.sealed", "ta
 TRAIN_CODE = ("tasks.train.stage", "tasks.train.job", "tasks.train.loop", "tasks.train.data", "tasks.train.model",
               "tasks.train.evaluation", "tasks.train.acceptance", "tasks.train.on_policy", "tasks.train.checkpoints",
               "tasks.train.step_profile", "tasks.train.tracking", "tasks.train.targets", "tasks.train.stream",
-              "tasks.train.compile_cache", "tasks.extract.stream", "tasks.extract.job", "tasks.extract.plan", "tasks.extract.writer",
-              "tasks.extract.shards", "tasks.extract.storage_dtype", "tasks.extract.backends.hf",
+              "tasks.train.compile_cache", "tasks.extract.stream", "tasks.extract.job", "tasks.extract.plan",
+              "tasks.extract.writer", "tasks.extract.shards", "tasks.extract.storage_dtype", "tasks.extract.backends.hf",
               "tasks.extract.backends.vllm", "tasks.extract.backends.vllm_connector", "tasks.prepare.dataset",
               "tasks.vocab", "tasks.common.journal", "tasks.common.sealed", "tasks.common.verifier")
 VALIDATE_CODE = ("tasks.validate.stage", "tasks.validate.draft_check", "tasks.validate.vllm_live",

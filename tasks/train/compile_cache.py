@@ -9,8 +9,8 @@ the kernels bundled with them), written by rank 0 once its first validation has 
 graphs a run needs (on-policy refinement's come later, and are compiled again), and hot-loaded into
 the local cache as every process starts. One folder per torch build and device (a GPU's kernels are no
 use to another); in it, one file per set of compiled graphs, named by that set, so runs of other
-settings in the same output folder keep theirs. A cache never fails a run: a file that cannot be read or written is
-logged and left.
+settings in the same output folder keep theirs. A cache never fails a run: a file that cannot be read
+or written is logged and left.
 """
 
 from __future__ import annotations
