@@ -16,12 +16,13 @@ nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader; df -h 
   ls /tmp/bench_*.log /tmp/job.log
   ls /tmp/repo/docs/benchmarks.json /tmp/repo/docs/benchmarks-history.jsonl; } > /tmp/results.list 2>/dev/null  # --record's figures
 tar -czf "$OUT/results.tgz" -T /tmp/results.list 2>/dev/null; ls -la "$OUT/results.tgz"
-# A flow run's own exported draft, unscored, as soon as its training is done (bench/recipe.py scores
-# it only after its variants: a machine lost before the recipe ends still returns it), as
-# /tmp/recipe-out/flow-RUN/drafts/run (bench/validate_returned_draft.py serves it here).
+# Each flow run's exported drafts, unscored, as soon as its training is done (bench/recipe.py scores
+# them only after its variants: a machine lost before the recipe ends still returns them), as
+# /tmp/recipe-out/flow-RUN/drafts/TRAINING-FINGERPRINT (bench/validate_returned_draft.py serves it
+# here): one per training of the run's folder, so a second training there (another seed) is returned too.
 for result in /tmp/runs/*/train/*/result.json; do
   [ -f "$result" ] || continue
-  run=$(echo "$result" | cut -d/ -f4); out=/tmp/recipe-out/flow-$run/drafts/run
+  run=$(echo "$result" | cut -d/ -f4); out=/tmp/recipe-out/flow-$run/drafts/$(echo "$result" | cut -d/ -f6)
   if [ -d "$(dirname "$result")/draft" ] && [ ! -f "$out/acceptance.json" ]; then
     mkdir -p "$out" && PYTHONPATH=/tmp/site:/tmp/repo python3 -c "import sys; from pathlib import Path; from bench.acceptance import \
 split_for_return; split_for_return(Path(sys.argv[1]), Path(sys.argv[2]))" "$(dirname "$result")/draft" "$out" &&
