@@ -197,8 +197,7 @@ def produce(job: ExtractJob, rank: int = 0, world_size: int = 1, callback: Progr
                 continue
             # a block at a time, so that a stop is heard between calls
             block = missing if finished else missing[: len(sequence["positions"][released])]
-            extract_shards(block, plan, prepared, out_dir, backend, batch_tokens=s.batch_tokens,
-                           label=f"extract (streamed) [{rank}/{world_size}], this block")
+            extract_shards(block, plan, prepared, out_dir, backend, batch_tokens=s.batch_tokens, label=None)
             produced += len(block)
             sizes = shard_sizes(out_dir)
             on_disk, high_water, largest = sum(sizes), max(high_water, sum(sizes)), max([largest, *sizes])

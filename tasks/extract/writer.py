@@ -154,8 +154,11 @@ class ShardWriter:
 
 
 def extract_shards(shards: list[ShardSpec], plan: ExtractionPlan, prepared, out_dir: Path, backend, *,
-                   batch_tokens: int, label: str = "extract", callback: ProgressCallback | None = None) -> list[dict]:
-    """Capture and write `shards` with a loaded backend; returns their journal lines."""
+                   batch_tokens: int, label: str | None = "extract",
+                   callback: ProgressCallback | None = None) -> list[dict]:
+    """Capture and write `shards` with a loaded backend; returns their journal lines. With `label` None
+    the call logs no progress and its writer's summary at debug level: for a caller that reports its
+    own, a few shards per call (the streamed producer: three lines a block were most of a run's log)."""
     for spec in shards:  # partial files of an earlier, killed attempt at these shards
         for partial in out_dir.glob(f".tmp-{spec.name}.*"):
             partial.unlink(missing_ok=True)
@@ -166,7 +169,7 @@ def extract_shards(shards: list[ShardSpec], plan: ExtractionPlan, prepared, out_
         metadata["storage_dtype"] = plan.storage_dtype
     writer = ShardWriter(out_dir, max(s.tokens for s in shards), plan.hidden_size, backend.device, metadata,
                          plan.storage_dtype)
-    progress = Progress(label, sum(s.tokens for s in shards), "tok", callback)
+    progress = Progress(label, sum(s.tokens for s in shards), "tok", callback) if label else None
     if backend.packed_row_tokens:
         work = packed_batches(shards, lengths, batch_tokens)
     else:
@@ -197,15 +200,17 @@ def extract_shards(shards: list[ShardSpec], plan: ExtractionPlan, prepared, out_
                     current = None
                     for r in spec.rows:
                         del ids[r]
-            progress.update(start, note=f"shard {spec.index + 1}/{len(plan.shards)}")
+            if progress is not None:
+                progress.update(start, note=f"shard {spec.index + 1}/{len(plan.shards)}")
         if current is not None:
             writer.finish()  # refuses a shard that did not get all its tokens
         t_last_batch = time.monotonic()
     finally:
         writer.close()
-        progress.close()
+        if progress is not None:
+            progress.close()
     written_gb = sum(e["size"] for e in writer.written) / 1e9
-    log.info("writer: %.2f GB in %.1f s of writing (%.2f GB/s); computing waited %.1f s for the disk; "
+    log.log(logging.INFO if label else logging.DEBUG, "writer: %.2f GB in %.1f s of writing (%.2f GB/s); computing waited %.1f s for the disk; "
              "the last shard's write took %.1f s after the last batch", written_gb, writer.write_s,
              written_gb / max(writer.write_s, 1e-9), writer.disk_wait_s, time.monotonic() - t_last_batch)
     return writer.written
