@@ -210,6 +210,10 @@ def main() -> None:
                    help="skip speculators' Trainer (e.g. to profile our loop alone): no ratio is reported")
     p.add_argument("--record", action="store_true",
                    help="replace train_speed_vs_speculators (both trainers must run) in docs/benchmarks.json (bench/record.py)")
+    p.add_argument("--dynamo-capture", action="store_true",
+                   help="our trainer with torch._dynamo's capture_dynamic_output_shape_ops and capture_scalar_outputs, "
+                        "into ours-out-capture: speculators' metrics (a masked_select a TTT step) stay inside the "
+                        "compiled graph instead of breaking it (issue 33: 12 -> 5 host syncs a step, one H100 run)")
     p.add_argument("--trainer", choices=["ours", "speculators"], help=argparse.SUPPRESS)  # the worker processes
     a = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -219,8 +223,13 @@ def main() -> None:
         d = json.loads((root / "bench.json").read_text())
         vocab = argparse.Namespace(**d["vocab"])  # path, draft_vocab_size
         if a.trainer == "ours":
+            if a.dynamo_capture:
+                import torch._dynamo as dynamo
+
+                dynamo.config.capture_dynamic_output_shape_ops = True
+                dynamo.config.capture_scalar_outputs = True
             result = run_ours(Path(d["verifier"]), Path(d["prepared"]), Path(d["manifest"]), vocab, d["aux"],
-                              root / "ours-out", a)
+                              root / ("ours-out-capture" if a.dynamo_capture else "ours-out"), a)
         else:
             result = run_speculators(Path(d["verifier"]), Path(d["theirs"]), vocab, d["aux"], root / "speculators-out", a)
         print(json.dumps(result))
