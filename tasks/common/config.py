@@ -134,7 +134,9 @@ class ExtractSettings(Section):
         65536, gt=0,
         description="Target tokens per shard file (x 4 layers x hidden x 2 bytes in bf16: 2.1 GB for hidden 4096). Each "
         "worker holds 3 shards in host memory, a crash redoes at most the shards in flight, and the last "
-        "shard's write is a fixed tail of every run.",
+        "shard's write is a fixed tail of every run. Padded batches never span two shards: shards smaller than "
+        "batch_tokens cap the batch (57,344-token shards extracted at 0.65x the rate of 262,144-token ones on an "
+        "H100, docs/BENCHMARKS.md).",
     )
     storage_dtype: Literal["bf16", "fp8_e4m3"] = Field(
         "bf16",
