@@ -71,8 +71,10 @@ class Progress:
         self._rate_start: float | None = None  # when measuring began: after the first unit (the clock() time)
         self._samples: deque[tuple[float, float]] = deque()  # (clock(), done) since then, thinned to one a second
         self._paused = 0.0  # seconds left out of the rate (exclude): validation, checkpoints
+        self._recurring = 0.0  # of them, those the ETA adds back (since the last one-off wait)
         self._done_at_start = done
-        self._paused_over = 0.0  # units done by the last pause: the pauses so far came once per this many
+        self._recurring_from = done  # units done at the last one-off wait (a start-up) or the start
+        self._paused_over = 0.0  # units done since then by the last pause: the pauses came once per this many
         self._first_estimate: tuple[float, float] | None = None  # (done, elapsed + ETA) of the first ETA given
         self._last_log = 0.0
         self._bar = None
@@ -85,12 +87,17 @@ class Progress:
         """Time spent on the work itself: the pauses `exclude` was told about left out."""
         return now - self._paused
 
-    def exclude(self, seconds: float) -> None:
+    def exclude(self, seconds: float, recurs: bool = True) -> None:
         """Leave `seconds` just spent on something else (validation, a checkpoint) out of the rate.
         The ETA adds such pauses back at their measured cost per unit of work, so it neither falls
-        after one nor jumps during one."""
+        after one nor jumps during one; with `recurs` False (a one-off: waiting for another process
+        to start) it leaves them out of the ETA too."""
         self._paused += seconds
-        self._paused_over = self.done - self._done_at_start
+        if recurs:
+            self._recurring += seconds
+            self._paused_over = self.done - self._recurring_from
+        else:  # the work before it came before the steady state: the recurring pauses are measured after it
+            self._recurring, self._paused_over, self._recurring_from = 0.0, 0.0, self.done
 
     def rate(self, now: float) -> float | None:
         """Units per second over the later half of the working time measured so far: a slow start
@@ -109,7 +116,7 @@ class Progress:
         now = time.monotonic()
         rate = self.rate(now)
         left = self.total - self.done
-        pause_per_unit = self._paused / self._paused_over if self._paused_over else 0.0
+        pause_per_unit = self._recurring / self._paused_over if self._paused_over else 0.0
         eta = left / rate + left * pause_per_unit if rate else None
         if eta is not None and self._first_estimate is None and self.done < self.total:
             self._first_estimate = (self.done, now - self.start + eta)

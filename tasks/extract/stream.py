@@ -173,7 +173,7 @@ def produce(job: ExtractJob, rank: int = 0, world_size: int = 1, callback: Progr
             i for position in sequence["positions"][control.released():] for i in position if i % world_size == rank]
         total = sum(specs[i].tokens for i in mine)
         progress = Progress(f"extract (streamed) [{rank}/{world_size}]", total, "tok", callback)
-        waited = 0.0
+        waited, first_release = 0.0, control.released()
         while not control.stopped():
             released = control.released()
             finished = released >= len(sequence["positions"])  # then only the validation shards are kept
@@ -192,7 +192,10 @@ def produce(job: ExtractJob, rank: int = 0, world_size: int = 1, callback: Progr
                 asleep = time.monotonic()
                 time.sleep(POLL_S)  # the window is full: training sets the pace
                 asleep = time.monotonic() - asleep
-                progress.exclude(asleep)  # the rate is the producer's own; the ETA adds the waits back
+                # The rate is the producer's own; the ETA adds the waits back, but not those before training
+                # first moves the window on: its start-up (compilation), once (as a recurring cost, a 2-minute
+                # compilation made the ETA twice the time left).
+                progress.exclude(asleep, recurs=released != first_release)
                 waited += asleep
                 continue
             # a block at a time, so that a stop is heard between calls

@@ -54,3 +54,26 @@ def test_a_finished_load_says_done_at_its_size():
         pass
     event = monitor.event(1.0, final=True)
     assert event.fraction == 1.0 and "done" in event.note
+
+
+def test_a_one_off_wait_is_left_out_of_the_eta_and_recurring_waits_are_added_back(monkeypatch):
+    """A streamed producer: its window fills in 2 s, it waits 120 s for training to start (compilation:
+    a one-off), then makes a block in 0.75 s and waits 1.05 s for training to take the next, 60 times.
+    Ten blocks on, the ETA is the time left (1.8 s a block), not 5.6 times it as when the first wait counted
+    among the recurring ones (an H100 run's producer said 4 m 52 s with 2 m 27 s left)."""
+    clock = [0.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
+    run = Progress("extract (streamed)", 64, "block", log_every_s=1e9)
+    for _ in range(4):
+        clock[0] += 0.5
+        run.update(1)
+    clock[0] += 120.0
+    run.exclude(120.0, recurs=False)
+    for block in range(10):
+        clock[0] += 0.75
+        run.update(1)
+        clock[0] += 1.05
+        run.exclude(1.05)
+    event = run.event()
+    assert event.rate == pytest.approx(1 / 0.75, rel=0.05)
+    assert event.eta_s == pytest.approx(50 * 1.8, rel=0.1)
