@@ -210,7 +210,8 @@ def extract_shards(shards: list[ShardSpec], plan: ExtractionPlan, prepared, out_
         if progress is not None:
             progress.close()
     written_gb = sum(e["size"] for e in writer.written) / 1e9
-    log.log(logging.INFO if label else logging.DEBUG, "writer: %.2f GB in %.1f s of writing (%.2f GB/s); computing waited %.1f s for the disk; "
-             "the last shard's write took %.1f s after the last batch", written_gb, writer.write_s,
-             written_gb / max(writer.write_s, 1e-9), writer.disk_wait_s, time.monotonic() - t_last_batch)
+    log.log(logging.INFO if label else logging.DEBUG,
+            "writer: %.2f GB in %.1f s of writing (%.2f GB/s); computing waited %.1f s for the disk; "
+            "the last shard's write took %.1f s after the last batch", written_gb, writer.write_s,
+            written_gb / max(writer.write_s, 1e-9), writer.disk_wait_s, time.monotonic() - t_last_batch)
     return writer.written
