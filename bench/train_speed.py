@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 import statistics
 import subprocess
 import sys
@@ -222,16 +223,17 @@ def main() -> None:
     if a.trainer:
         d = json.loads((root / "bench.json").read_text())
         vocab = argparse.Namespace(**d["vocab"])  # path, draft_vocab_size
+        out = root / {"ours": "ours-out-capture" if a.dynamo_capture else "ours-out", "speculators": "speculators-out"}[a.trainer]
+        shutil.rmtree(out, ignore_errors=True)  # each run from scratch: a finished one would resume and train nothing
         if a.trainer == "ours":
             if a.dynamo_capture:
                 import torch._dynamo as dynamo
 
                 dynamo.config.capture_dynamic_output_shape_ops = True
                 dynamo.config.capture_scalar_outputs = True
-            result = run_ours(Path(d["verifier"]), Path(d["prepared"]), Path(d["manifest"]), vocab, d["aux"],
-                              root / ("ours-out-capture" if a.dynamo_capture else "ours-out"), a)
+            result = run_ours(Path(d["verifier"]), Path(d["prepared"]), Path(d["manifest"]), vocab, d["aux"], out, a)
         else:
-            result = run_speculators(Path(d["verifier"]), Path(d["theirs"]), vocab, d["aux"], root / "speculators-out", a)
+            result = run_speculators(Path(d["verifier"]), Path(d["theirs"]), vocab, d["aux"], out, a)
         print(json.dumps(result))
         return
     shape = TINY if a.tiny else LLAMA_8B
