@@ -16,8 +16,7 @@ alternating order, between the bare forwards of one loaded model; the first dtyp
 top-level ones, every dtype's are under `storage_dtypes`, with fp8_bytes_over_bf16 and
 fp8_rate_over_bf16. With --compile the decoder layers are then compiled (extract.compile) and the
 first dtype is extracted twice more (`compiled`), next to the compiled fixed-length forward; its
-states are compared with the eager ones of the same batches (cosine per token). With --packing,
-then again with packed batches (extract.packing: one row per batch, per-sample FlexAttention).
+states are compared with the eager ones of the same batches (cosine per token).
 """
 
 from __future__ import annotations
@@ -86,8 +85,6 @@ def main() -> None:
     p.add_argument("--out", default=None, help="where shards go (default: a temporary folder on this disk)")
     p.add_argument("--storage-dtypes", nargs="+", choices=["bf16", "fp8_e4m3"], default=["bf16"])
     p.add_argument("--compile", action="store_true", help="also measure with compiled decoder layers")
-    p.add_argument("--packing", action="store_true",
-                   help="then also with packed batches (extract.packing; after --compile, compiled too)")
     p.add_argument("--record", action="store_true",
                    help="replace extract_vs_best_forward, extract_mfu and, with both dtypes, fp8_bytes_over_bf16 in docs/benchmarks.json (bench/record.py)")
     a = p.parse_args()
@@ -187,16 +184,6 @@ def main() -> None:
         best["compiled"] = max(best["compiled"], fixed_forward())
         compiled = {"extract_tokens_per_s": round(max(runs)), "runs_tokens_per_s": [round(x) for x in runs],
                     "bare_forward_tokens_per_s": round(bare_forward()), "compile_s": round(compile_s, 1), **similarity}
-    packed = None
-    if a.packing:
-        eager_states = eager_states if a.compile else states_of_some_batches()
-        backend.enable_packing(a.batch_tokens)
-        t0 = time.perf_counter()
-        similarity = cosine_to(eager_states, states_of_some_batches())
-        first_s = time.perf_counter() - t0
-        runs = [extraction(a.storage_dtypes[0]), extraction(a.storage_dtypes[0])]
-        packed = {"extract_tokens_per_s": round(max(runs)), "runs_tokens_per_s": [round(x) for x in runs],
-                  "compiled_layers": a.compile, "first_batches_s": round(first_s, 1), **similarity}
     best_forward = max(best.values())
     per_dtype = {}
     for d, p_ in plans.items():
@@ -221,8 +208,6 @@ def main() -> None:
     }
     if compiled:
         report["compiled"] = {**compiled, "extract_vs_best_forward": round(compiled["extract_tokens_per_s"] / best_forward, 3)}
-    if packed:
-        report["packed"] = {**packed, "extract_vs_best_forward": round(packed["extract_tokens_per_s"] / best_forward, 3)}
     if len(per_dtype) > 1:
         report["bare_forward_runs_tokens_per_s"] = [round(x) for x in fwd]
         report["storage_dtypes"] = per_dtype

@@ -123,10 +123,7 @@ class ExtractSettings(Section):
     )
     device: str = Field("auto", description="transformers backend: 'auto', 'cpu', 'cuda', 'cuda:1', ...")
     batch_tokens: int = Field(16384, gt=0, description="Tokens per forward batch: rows x the longest, padding "
-                              "included; with packing, the one row's length.")
-    packing: bool = Field(
-        False, description="transformers backend: pack samples back to back into rows of batch_tokens, each attending "
-        "to itself alone (FlexAttention): no compute on padding, and batches run across shard boundaries.")
+                              "included.")
     compile: bool = Field(
         False, description="transformers backend: compile the verifier's decoder layers (torch.compile, one graph "
         "shared by all layers, symbolic shapes); pays off on a GPU for a large verifier (docs/BENCHMARKS.md).")
@@ -175,11 +172,19 @@ class ExtractSettings(Section):
         per transformers worker."""
         return self.tensor_parallel_size if self.backend == "vllm" else self.workers
 
+    @model_validator(mode="before")
+    @classmethod
+    def _packing_removed(cls, data):
+        if isinstance(data, dict) and "packing" in data:
+            raise ValueError("extract.packing was removed: packed batches extracted slower than padded ones on an H100 "
+                             "and an H200 (0.747 and 0.731 of the best forward against 0.775 and 0.810, "
+                             "docs/BENCHMARKS.md); delete the key")
+        return data
+
     @model_validator(mode="after")
     def _transformers_options(self):
-        if self.backend == "vllm" and (self.packing or self.compile):
-            raise ValueError("extract.packing and extract.compile apply to the transformers backend; vLLM packs and "
-                             "compiles on its own")
+        if self.backend == "vllm" and self.compile:
+            raise ValueError("extract.compile applies to the transformers backend; vLLM compiles on its own")
         return self
 
     @field_validator("aux_layers")
@@ -196,8 +201,8 @@ class ExtractSettings(Section):
     def output_settings(self) -> dict:
         """The settings that decide the shards, for cache keys. The rest only changes how they are made:
         finished shards are reused by fingerprint (verifier, layers, dtype, samples) whatever the backend,
-        device, batch size, packing, compilation, number of ranks, verification or disk reserve."""
-        return self.model_dump(exclude={"backend", "device", "batch_tokens", "packing", "compile", "tensor_parallel_size",
+        device, batch size, compilation, number of ranks, verification or disk reserve."""
+        return self.model_dump(exclude={"backend", "device", "batch_tokens", "compile", "tensor_parallel_size",
                                         "gpu_memory_utilization", "workers", "reserve_disk_gb", "verify", "mode",
                                         "stream_window", "stream_cache_epochs"})
 
@@ -356,9 +361,6 @@ class PipelineConfig(Section):
         if self.extract.stream_window < 2 * blocks:
             raise ValueError(f"extract.stream_window ({self.extract.stream_window}) must be at least 2 x "
                              f"train.shuffle_block_shards ({blocks}): the block being trained and the next one")
-        if self.extract.packing:
-            raise ValueError("extract.packing runs batches across shard boundaries; a stream extracts a block at a "
-                             "time: use extract.mode 'stream' without packing")
 
     @property
     def output_path(self) -> Path:

@@ -108,8 +108,7 @@ def make_backend(job: ExtractJob, verifier: VerifierInfo, layers: list[int]):
         return VllmBackend(verifier, layers, job.compute_dtype, s, job.trust_remote_code)
     from tasks.extract.backends.hf import TransformersBackend
 
-    return TransformersBackend(verifier, layers, job.compute_dtype, s.device, job.trust_remote_code, s.compile,
-                               packed_row_tokens=s.batch_tokens if s.packing else None)
+    return TransformersBackend(verifier, layers, job.compute_dtype, s.device, job.trust_remote_code, s.compile)
 
 
 def run_worker_processes(module: str, label: str, job: ExtractJob, workers: int, callback: ProgressCallback | None,

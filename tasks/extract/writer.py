@@ -8,7 +8,6 @@ are quantized on the device, before the copy: half the bytes cross to the host.
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import queue
@@ -35,21 +34,6 @@ def batches(spec: ShardSpec, lengths, batch_tokens: int) -> list[list[int]]:
             out[-1].append(r)
         else:
             out.append([r])
-    return out
-
-
-def packed_batches(shards: list[ShardSpec], lengths, batch_tokens: int) -> list[list[int]]:
-    """The shards' rows in their stored order, grouped so that a batch's tokens add up to at most
-    batch_tokens (no padding to pay for): a batch may run on into the next shard."""
-    out: list[list[int]] = []
-    tokens = 0
-    for r in (r for spec in shards for r in spec.rows):
-        if out and tokens + lengths[r] <= batch_tokens:
-            out[-1].append(r)
-            tokens += lengths[r]
-        else:
-            out.append([r])
-            tokens = lengths[r]
     return out
 
 
@@ -170,39 +154,16 @@ def extract_shards(shards: list[ShardSpec], plan: ExtractionPlan, prepared, out_
     writer = ShardWriter(out_dir, max(s.tokens for s in shards), plan.hidden_size, backend.device, metadata,
                          plan.storage_dtype)
     progress = Progress(label, sum(s.tokens for s in shards), "tok", callback) if label else None
-    if backend.packed_row_tokens:
-        work = packed_batches(shards, lengths, batch_tokens)
-    else:
-        work = [batch for spec in shards for batch in batches(spec, lengths, batch_tokens)]
-    shard_of = {r: spec for spec in shards for r in spec.rows}
-    ids: dict[int, list[int]] = {}  # of the shards under way, read a shard at a time
-
-    def rows_ids(rows) -> list[list[int]]:
-        for r in rows:
-            if r not in ids:
-                ids.update((row, a.tolist()) for row, a in token_ids(prepared, shard_of[r].rows).items())
-        return [ids[r] for r in rows]
-
     try:
-        current = None
-        for batch in work:
-            states = backend.capture(rows_ids(batch))
-            start = 0
-            for spec, rows in itertools.groupby(batch, key=shard_of.__getitem__):
-                if current is None:
-                    writer.begin(spec, rows_ids(spec.rows))
-                    current = spec
-                n = sum(lengths[r] for r in rows)
-                writer.add(states[start: start + n])
-                start += n
-                if writer.cursor == spec.tokens:  # its last rows: written now, not after the next batch
-                    writer.finish()
-                    current = None
-                    for r in spec.rows:
-                        del ids[r]
-            if progress is not None:
-                progress.update(start, note=f"shard {spec.index + 1}/{len(plan.shards)}")
-        if current is not None:
+        for spec in shards:
+            ids = {r: a.tolist() for r, a in token_ids(prepared, spec.rows).items()}
+            for i, batch in enumerate(batches(spec, lengths, batch_tokens)):
+                states = backend.capture([ids[r] for r in batch])
+                if i == 0:  # once its first batch is queued: a wait for a free buffer overlaps that compute
+                    writer.begin(spec, [ids[r] for r in spec.rows])
+                writer.add(states)
+                if progress is not None:
+                    progress.update(states.shape[0], note=f"shard {spec.index + 1}/{len(plan.shards)}")
             writer.finish()  # refuses a shard that did not get all its tokens
         t_last_batch = time.monotonic()
     finally:

@@ -49,8 +49,10 @@ def test_missing_section_and_cross_field_checks(tmp_path):
         load_config(write(tmp_path, "data: {sources: [a.json]}\n"))
     with pytest.raises(ConfigError, match="batch_tokens"):
         load_config(write(tmp_path, BASE + "extract: {batch_tokens: 100}"))
-    with pytest.raises(ConfigError, match="extract.packing and extract.compile apply to the transformers backend"):
-        load_config(write(tmp_path, BASE + "extract: {backend: vllm, packing: true}"))
+    with pytest.raises(ConfigError, match="extract.compile applies to the transformers backend"):
+        load_config(write(tmp_path, BASE + "extract: {backend: vllm, compile: true}"))
+    with pytest.raises(ConfigError, match="extract.packing was removed: packed batches extracted slower"):
+        load_config(write(tmp_path, BASE + "extract: {packing: false}"))
     with pytest.raises(ConfigError, match="set data.regenerate.enabled: true so the verifier answers them"):
         load_config(write(tmp_path, "verifier: {path: /models/x}\ndata: {sources: [a.json], synthesize: {prompts: 9}}"))
     synthesized_only = load_config(write(tmp_path, "verifier: {path: /models/x}\n"
@@ -61,9 +63,7 @@ def test_missing_section_and_cross_field_checks(tmp_path):
                                     "regenerate: {enabled: true}}"))
     for settings, refusal in (("extract: {mode: stream}", "needs train.shuffle_block_shards"),
                               ("extract: {mode: stream, stream_window: 6}\ntrain: {shuffle_block_shards: 4}",
-                               r"stream_window \(6\) must be at least 2 x train.shuffle_block_shards \(4\)"),
-                              ("extract: {mode: stream, packing: true}\ntrain: {shuffle_block_shards: 2}",
-                               "extract.packing runs batches across shard boundaries")):
+                               r"stream_window \(6\) must be at least 2 x train.shuffle_block_shards \(4\)")):
         with pytest.raises(ConfigError, match=refusal):
             load_config(write(tmp_path, BASE + settings))
     streamed = load_config(write(tmp_path, BASE + "extract: {mode: stream}\ntrain: {shuffle_block_shards: 4}"))

@@ -111,34 +111,6 @@ def test_the_plan_of_a_selection_reads_the_selected_rows_in_their_order(prepared
     assert plan_shards(selected, "any", 512) == plan_shards(selected.flatten_indices(), "any", 512)
 
 
-def test_packed_extraction_finishes_a_padded_run_with_the_same_states(reference, prepared, smollm2, tmp_path):
-    """extract.packing: samples back to back in one row per batch, per-sample attention, batches
-    running on into the next shard. A padded run's folder with its last two shards gone is
-    finished packed: the same shards (names, tokens, sample order), the same states within bf16."""
-    from tasks.extract.plan import plan_shards
-    from tasks.extract.writer import packed_batches
-
-    ref_dir, ref_result = reference
-    data = load_prepared(prepared.path)
-    shards = plan_shards(data, "any", SETTINGS["shard_tokens"])
-    crossing = [b for b in packed_batches(shards, data["seq_len"], SETTINGS["batch_tokens"])
-                if len({next(s.index for s in shards if r in s.rows) for r in b}) > 1]
-    assert crossing  # the case a per-shard batch never meets
-    shutil.copytree(ref_dir, tmp_path, dirs_exist_ok=True)
-    names = sorted(shard_bytes(ref_dir))
-    for name in names[-2:]:
-        (tmp_path / name).unlink()
-    result = run_extraction(job_for(prepared, smollm2, tmp_path, packing=True), in_process=True)
-    assert result.shards_extracted == 2 and result.manifest.endswith(Path(ref_result.manifest).name)
-    ref, packed = ShardReader(ref_result.manifest), ShardReader(result.manifest)
-    assert packed.sample_ids == ref.sample_ids
-    for i in range(len(ref)):
-        (ref_ids, ref_states), (ids, states) = ref[i], packed[i]
-        assert ids.tolist() == ref_ids.tolist()
-        cos = torch.nn.functional.cosine_similarity(states.float(), ref_states.float(), dim=-1)
-        assert cos.min() > 0.99, (i, cos.min())
-
-
 def test_complete_folder_rerun_does_not_load_the_verifier(reference, prepared, smollm2):
     ref_dir, ref_result = reference
     result = run_extraction(job_for(prepared, smollm2, ref_dir), in_process=True)

@@ -122,15 +122,13 @@ class TransformersBackend:
     name = "transformers"
 
     def __init__(self, verifier: VerifierInfo, layers: list[int], dtype: str = "bfloat16", device: str = "auto",
-                 trust_remote_code: bool = False, compile: bool = False, packed_row_tokens: int | None = None):
+                 trust_remote_code: bool = False, compile: bool = False):
         self.verifier = verifier
         self.layers = layers  # the 3 auxiliary ids, then N
         self.dtype = getattr(torch, dtype)
         self.device = resolve_device(device)
         self.trust_remote_code = trust_remote_code
         self.compile = compile
-        # Packing: every batch is one row of exactly this many tokens, its samples back to back.
-        self.packed_row_tokens = packed_row_tokens
         self.model = None
         self._captured: dict[int, torch.Tensor] = {}
 
@@ -153,8 +151,6 @@ class TransformersBackend:
         """Use an already built model (benchmarks build random-weight verifiers in memory)."""
         model.eval()
         self.model = model
-        if self.packed_row_tokens:
-            self.enable_packing(self.packed_row_tokens)
         self.decoder = model.get_decoder()
         layers = decoder_layers(self.decoder, self.verifier.num_layers)
         for k in self.layers:
@@ -162,15 +158,6 @@ class TransformersBackend:
         if self.compile:
             self.compile_layers()
         self.input_device = self.decoder.get_input_embeddings().weight.device
-
-    def enable_packing(self, row_tokens: int) -> None:
-        """Capture batches packed into one row of `row_tokens` (see _capture_packed)."""
-        try:  # per-sample (document) attention that skips the other samples' blocks
-            self.model.set_attn_implementation("flex_attention")
-        except (ValueError, ImportError) as e:
-            raise VerifierError(f"{self.verifier.path}: extract.packing needs FlexAttention, which this model's "
-                                f"transformers code does not support ({e}); set extract.packing: false") from None
-        self.packed_row_tokens = row_tokens
 
     def compile_layers(self) -> None:
         """Regional compilation: every decoder layer runs one compiled graph (the layers share their
@@ -188,39 +175,7 @@ class TransformersBackend:
 
     @torch.inference_mode()
     def capture(self, batch: list[list[int]]) -> torch.Tensor:
-        if self.packed_row_tokens:
-            return self._capture_packed(batch)
-        return self._capture_padded(batch)
-
-    def _capture_packed(self, batch: list[list[int]]) -> torch.Tensor:
-        """The samples back to back in one row of `packed_row_tokens` (the rest filled with a
-        dummy sample), positions restarting at 0 for each: transformers turns position ids that
-        restart into per-sample causal attention (FlexAttention's block mask skips the blocks
-        between samples), so no compute goes to padding and a token sees its own sample alone.
-        One shape for every batch: compiled kernels are built once. The states of the real
-        tokens are the row's first sum(len) positions, already in order."""
-        lengths = [len(s) for s in batch]
-        total, width = sum(lengths), self.packed_row_tokens
-        if total > width:
-            raise ValueError(f"a packed batch of {total} tokens exceeds its row of {width}")
-        input_ids = torch.zeros(1, width, dtype=torch.long)
-        input_ids[0, :total] = torch.as_tensor([t for s in batch for t in s])
-        positions = torch.cat([torch.arange(n) for n in lengths] + [torch.arange(width - total)])[None]
-        pin = self.input_device.type == "cuda"
-        if pin:
-            input_ids, positions = input_ids.pin_memory(), positions.pin_memory()
-        self._captured.clear()
-        self.decoder(input_ids=input_ids.to(self.input_device, non_blocking=pin),
-                     position_ids=positions.to(self.input_device, non_blocking=pin), use_cache=False)
-        first = self._captured[self.layers[0]]
-        out = torch.empty(total, len(self.layers), first.shape[-1], dtype=first.dtype, device=first.device)
-        for j, k in enumerate(self.layers):
-            out[:, j] = self._captured[k][0, :total].to(first.device)
-        self._captured.clear()
-        return out
-
-    def _capture_padded(self, batch: list[list[int]]) -> torch.Tensor:
-        """Hidden states of every token of every sequence, packed: [sum(len), len(layers), H].
+        """Hidden states of every token of every sequence, back to back: [sum(len), len(layers), H].
 
         Rows are padded on the right and run with no attention mask: under causal attention a token
         never attends to the pads after it, so its states are those of its sequence alone, and SDPA

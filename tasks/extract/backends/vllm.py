@@ -40,7 +40,6 @@ log = logging.getLogger(__name__)
 class VllmBackend:
     name = "vllm"
     device = "cpu"  # captured states arrive in host memory
-    packed_row_tokens = None  # vLLM batches (and packs) requests itself: one sample per capture row
 
     def __init__(self, verifier: VerifierInfo, layers: list[int], dtype: str, settings, trust_remote_code: bool = False):
         self.verifier = verifier
