@@ -58,8 +58,6 @@ AUX = lambda n: [2, n // 2, n - 3]  # noqa: E731
 class RandomStates:
     """Stands in for the verifier when making synthetic training data: random hidden states."""
 
-    packed_row_tokens = None  # padded batches, as the backends without packing
-
     def __init__(self, hidden: int, device: str):
         self.hidden, self.device, self.model = hidden, device, object()
 
@@ -211,10 +209,6 @@ def main() -> None:
                    help="skip speculators' Trainer (e.g. to profile our loop alone): no ratio is reported")
     p.add_argument("--record", action="store_true",
                    help="replace train_speed_vs_speculators (both trainers must run) in docs/benchmarks.json (bench/record.py)")
-    p.add_argument("--dynamo-capture", action="store_true",
-                   help="our trainer with torch._dynamo's capture_dynamic_output_shape_ops and capture_scalar_outputs, "
-                        "into ours-out-capture: speculators' metrics (a masked_select a TTT step) stay inside the "
-                        "compiled graph instead of breaking it (issue 33: 12 -> 5 host syncs a step, one H100 run)")
     p.add_argument("--trainer", choices=["ours", "speculators"], help=argparse.SUPPRESS)  # the worker processes
     a = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -223,14 +217,9 @@ def main() -> None:
     if a.trainer:
         d = json.loads((root / "bench.json").read_text())
         vocab = argparse.Namespace(**d["vocab"])  # path, draft_vocab_size
-        out = root / {"ours": "ours-out-capture" if a.dynamo_capture else "ours-out", "speculators": "speculators-out"}[a.trainer]
+        out = root / f"{a.trainer}-out"
         shutil.rmtree(out, ignore_errors=True)  # each run from scratch: a finished one would resume and train nothing
         if a.trainer == "ours":
-            if a.dynamo_capture:
-                import torch._dynamo as dynamo
-
-                dynamo.config.capture_dynamic_output_shape_ops = True
-                dynamo.config.capture_scalar_outputs = True
             result = run_ours(Path(d["verifier"]), Path(d["prepared"]), Path(d["manifest"]), vocab, d["aux"], out, a)
         else:
             result = run_speculators(Path(d["verifier"]), Path(d["theirs"]), vocab, d["aux"], out, a)
