@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from tasks.common.config import TrainSettings
 
 # A Llama-3.1-8B-shaped draft (hidden 4096, draft vocabulary 32000, TTT 3, 8192-token micro-batches)
-# trained at 53,250 tokens/s steady on one H200 (docs/benchmarks.json train_speed_vs_speculators,
-# 2026-12-04): 7.20 GFLOP a token by count (draft_flops_per_token).
+# trained at 53,250 tokens/s steady on one H200 (train_speed_vs_speculators of 2026-12-04, now in
+# docs/benchmarks-history.jsonl; 48,993-53,064 on one H100, 2026-12-06): 7.20 GFLOP a token by count
+# (draft_flops_per_token).
 MEASURED_TRAIN_TOKENS_PER_S = 53_250
 MEASURED_TRAIN_FLOPS_PER_TOKEN = 7.202e9
 # SmolLM2's draft (hidden 576) ran 18.0-19.4 micro-batches/s (156,957 tokens/s steady) on one H100,
