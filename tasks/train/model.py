@@ -3,7 +3,7 @@
 The draft is speculators' Eagle3DraftModel, shaped like the verifier (hidden size, heads, vocabulary)
 but built from what vLLM's EAGLE-3 draft serves, whatever the verifier uses: a Llama layer with full
 attention, a SiLU MLP, RMSNorm, and a rope vLLM computes as transformers does. The optimizers are
-speculators' (AdamW or Muon), each with a cosine schedule after a linear warmup. Saving, resuming and
+speculators' choice (AdamW, or Muon with AdamW), each with a cosine schedule after a linear warmup. Saving, resuming and
 exporting it: tasks/train/checkpoints.py.
 """
 
@@ -66,9 +66,15 @@ def build_optimizers(model, s, total_steps: int):
     from speculators.train.optimizers import build_optimizers as speculators_optimizers
     from transformers import get_cosine_schedule_with_warmup
 
-    settings = argparse.Namespace(optimizer=s.optimizer, lr=s.lr, weight_decay=s.weight_decay, muon_lr=s.lr,
-                                  muon_momentum=0.95, muon_weight_decay=s.weight_decay, muon_ns_steps=5,
-                                  muon_adjust_lr_fn="match_rms_adamw")
-    optimizers = speculators_optimizers(model, settings)
+    if s.optimizer == "adamw":
+        # speculators' AdamW, with torch's fused kernel: one pass over each parameter, its gradient and
+        # moments, where the default (foreach) makes several and allocates a temporary the size of the
+        # parameters; its kernels took 7.9 ms of a 131-ms GPU step for an 8B-shaped draft (one H100,
+        # 2026-12-06, docs/BENCHMARKS.md). The same update, on a GPU and on a CPU.
+        optimizers = [torch.optim.AdamW(model.named_parameters(), lr=s.lr, weight_decay=s.weight_decay, fused=True)]
+    else:
+        optimizers = speculators_optimizers(model, argparse.Namespace(
+            optimizer=s.optimizer, lr=s.lr, weight_decay=s.weight_decay, muon_lr=s.lr, muon_momentum=0.95,
+            muon_weight_decay=s.weight_decay, muon_ns_steps=5, muon_adjust_lr_fn="match_rms_adamw"))
     schedulers = [get_cosine_schedule_with_warmup(o, s.warmup_steps, max(total_steps, 1)) for o in optimizers]
     return optimizers, schedulers
