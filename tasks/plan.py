@@ -4,7 +4,7 @@ no model load, no GPU; deployments/verifiers/ holds such folders for the presets
     whether vLLM serves the verifier -> prepare (tokenize the chat data: the tokenizer is all it
     loads) -> the extraction plan (tasks/extract/plan.py: tokens, bytes, shards, host memory, free
     disk) -> a time estimate on the target GPUs: the slower of the extraction rate measured on an
-    H200 (scaled by active parameters) and the writes at the disk's sustained rate; then training's
+    H100 (scaled by active parameters) and the writes at the disk's sustained rate; then training's
     (tasks/train/sizing.py), and both modes' wall time: offline extracts then trains, a stream
     extracts every epoch while training, at the pace of the slower
 
@@ -44,6 +44,7 @@ from tasks.common.verifier import (
 )
 from tasks.common.vllm_support import eagle3_support
 from tasks.extract.plan import (
+    LAYERS_STORED,
     MEASURED_MAX_TOKENS_PER_S,
     ExtractError,
     ExtractionPlan,
@@ -51,6 +52,7 @@ from tasks.extract.plan import (
     check_host_memory,
     make_plan,
 )
+from tasks.extract.storage_dtype import bytes_per_token
 from tasks.preflight import PreflightError, check_live_validation
 from tasks.prepare.dataset import PreparedData, load_prepared
 from tasks.prepare.stage import prepare
@@ -60,10 +62,12 @@ log = logging.getLogger(__name__)
 
 # Dense bf16 TFLOP/s of an H100 / H200 SXM (the same chip's compute), what --gpu-tflops scales from.
 H100_BF16_TFLOPS = 989.0
-# Extraction measured on one H200 for Llama-3.1-8B shapes (8.03 B parameters), tokens/s: eager and
-# with extract.compile (docs/benchmarks.json extract_vs_best_forward, 2026-12-03). A verifier of
-# other shapes is estimated at the same share of the GPU's arithmetic, by its active parameters.
-MEASURED_TOKENS_PER_S = {"eager": 28_741, "compiled": 32_446}
+# Extraction measured on one H100 for Llama-3.1-8B shapes (8.03 B parameters), tokens/s: eager and
+# with extract.compile, in fp8 shards, whose writes kept well below the disk's rate (bf16 shards: 29,555
+# and 33,435, their writes near it; docs/benchmarks.json extract_vs_best_forward, 2026-12-06). The
+# disk is the estimate's other term. A verifier of other shapes is estimated at the same share of the
+# GPU's arithmetic, by its active parameters.
+MEASURED_TOKENS_PER_S = {"eager": 30_762, "compiled": 38_126}
 MEASURED_PARAMETERS = 8.03e9
 # What the H200 machine's disk sustained under extraction's writes: 1.0-1.2 GB/s (SmolLM2 preset: 225,451
 # tokens/s x 4,608 bytes in bf16, 431,290 x 2,304 in fp8; 8B shapes: 1.06-1.2 GB/s; docs/BENCHMARKS.md).
@@ -85,8 +89,8 @@ class RunSizing:
     gpus: int
     gpu_tflops: float
     disk_bytes_per_s: float  # the output folder's sustained write rate, all the run's writers together
-    gpu_seconds: float
-    bound: str  # what sets gpu_seconds: "compute" (the verifier's forward) or "disk" (the writes)
+    compute_seconds: float  # extraction's forward at the measured rate, the disk aside
+    disk_seconds: float  # its writes at disk_bytes_per_s
     problems: list[str]  # why extraction would refuse to start on this machine (disk, host memory)
     regenerate: bool
     serving: str  # whether vLLM here serves the verifier with an EAGLE-3 draft (live validation)
@@ -94,6 +98,24 @@ class RunSizing:
     stream_disk_bytes: int  # extract.mode 'stream': the window and the validation shards (expected count)
     training: TrainingSize
     stream_shares_gpus: bool  # cluster.executor 'local': the producers run on training's own GPUs
+
+    @property
+    def gpu_seconds(self) -> float:
+        return max(self.compute_seconds, self.disk_seconds)
+
+    @property
+    def bound(self) -> str:
+        """What sets gpu_seconds: "compute" (the verifier's forward) or "disk" (the writes)."""
+        return "disk" if self.disk_seconds > self.compute_seconds else "compute"
+
+    @property
+    def recommended_storage_dtype(self) -> str:
+        """fp8_e4m3 where the disk binds bf16 shards (fp8 writes half the bytes); else the configured one."""
+        return "fp8_e4m3" if self.plan.storage_dtype == "bf16" and self.bound == "disk" else self.plan.storage_dtype
+
+    def fp8_seconds(self) -> float:
+        fp8_bytes = bytes_per_token("fp8_e4m3", LAYERS_STORED, self.plan.hidden_size) / self.plan.bytes_per_token
+        return max(self.compute_seconds, self.disk_seconds * fp8_bytes)
 
     @property
     def offline_seconds(self) -> float:
@@ -131,6 +153,7 @@ class RunSizing:
                 "active_parameters_b": round(self.active_parameters / 1e9, 2), "parameters_from": self.parameters_from,
                 "gpus": self.gpus, "gpu_tflops": self.gpu_tflops, "disk_gb_per_s": self.disk_bytes_per_s / 1e9,
                 "estimated_time_on_gpu": format_seconds(self.gpu_seconds), "bound_by": self.bound,
+                "recommended_storage_dtype": self.recommended_storage_dtype,
                 "problems_here": self.problems,
                 "regenerate": self.regenerate, "live_validation": self.serving,
                 "train_steps": self.training.steps, "train_tokens_per_s": round(self.training.tokens_per_s),
@@ -150,9 +173,13 @@ class RunSizing:
                  f"  verifier: {self.parameters / 1e9:.2f} B parameters{active} (from {self.parameters_from}); "
                  f"extraction on {self.gpus} GPU(s) of {self.gpu_tflops:g} dense bf16 TFLOP/s: about "
                  f"{format_seconds(self.gpu_seconds)}, bound by the {self.bound} (the slower of the rate measured "
-                 f"for 8B shapes on an H200, scaled by active parameters up to the fastest extraction measured, "
+                 f"for 8B shapes on an H100, scaled by active parameters up to the fastest extraction measured, "
                  f"{MEASURED_MAX_TOKENS_PER_S:,} tokens/s a GPU, and the writes at "
                  f"{self.disk_bytes_per_s / 1e9:g} GB/s; docs/BENCHMARKS.md)",
+                 *([f"  the disk binds bf16 shards: extract.storage_dtype: fp8_e4m3 writes half the bytes, about "
+                    f"{format_seconds(self.fp8_seconds())} of extraction (8B shapes on one H100: 1.14x bf16's rate; "
+                    "drafts from fp8 shards: 0.9997 of bf16's acceptance; docs/BENCHMARKS.md, docs/RESULTS.md)"]
+                   if self.recommended_storage_dtype != self.plan.storage_dtype else []),
                  f"  training on {self.training.gpus} GPU(s): about {format_seconds(self.training.seconds)} in steady "
                  f"state, {self.training.describe()}; start-up and validation come on top",
                  *self.modes(),
@@ -282,7 +309,7 @@ def size_run(config: PipelineConfig, gpu_tflops: float = H100_BF16_TFLOPS, keep:
     training = size_training(shape, config.train, min(config.vocab.draft_vocab_size, shape["vocab_size"]),
                              plan.tokens, gpu_tflops, H100_BF16_TFLOPS)
     return RunSizing(plan, prepared, tokenizer, parameters, active, source, gpus, gpu_tflops, disk_bytes_per_s,
-                     max(compute_s, disk_s), "disk" if disk_s > compute_s else "compute", problems,
+                     compute_s, disk_s, problems,
                      config.data.regenerate.enabled, serving, keep,
                      min(len(plan.shards), e.stream_window + val_shards) * shard_bytes, training,
                      config.cluster.executor == "local")

@@ -68,6 +68,7 @@ def test_the_one_gpu_preset_is_planned_on_cpu_without_weights(config_only, tmp_p
     # 8B shapes write 32 KB a token: at the H200 machine's 1.0 GB/s its disk binds before the forward does
     assert sized["disk_gb_per_s"] == MEASURED_DISK_BYTES_PER_S / 1e9 and sized["bound_by"] == "disk"
     assert sized["estimated_time_on_gpu"] == format_seconds(tokens * 4 * 4096 * 2 / MEASURED_DISK_BYTES_PER_S)
+    assert sized["storage_dtype"] == "bf16" and sized["recommended_storage_dtype"] == "fp8_e4m3"  # half the bytes
     assert sized["regenerate"] is True and sized["problems_here"] == []
     assert sized["tokenizer"] == "the verifier's own tokenizer"
     # streamed: one shard here, so the whole data is the window; the verifier runs once per epoch
@@ -92,11 +93,16 @@ def test_the_one_gpu_preset_is_planned_on_cpu_without_weights(config_only, tmp_p
     assert "8.03 B parameters (from safetensors index)" in text and "with regeneration on" in text
     assert f"{tokens:,} tokens in 1 shards" in text and "the disk and host memory checks pass" in text
     assert "offline: " in text and "stream (extract.mode" in text and "the verifier runs once per epoch" in text
+    # in fp8 shards the forward binds, at the measured rate: the disk takes their 4 x (4096 + 4) bytes a token in time
+    assert tokens * 4 * (4096 + 4) / MEASURED_DISK_BYTES_PER_S < tokens / MEASURED_TOKENS_PER_S["compiled"]
+    fp8_time = format_seconds(tokens / MEASURED_TOKENS_PER_S["compiled"] * 8.03e9 / MEASURED_PARAMETERS)
+    assert f"the disk binds bf16 shards: extract.storage_dtype: fp8_e4m3 writes half the bytes, about {fp8_time}" in text
 
     main(["plan", str(PRESET), *[a for s in settings for a in ("--set", s)], "--json", "--disk-gb-per-s", "10"])
     faster_disk = json.loads(capsys.readouterr().out)  # a disk 10x faster: the forward's measured rate binds
     assert faster_disk["bound_by"] == "compute" and faster_disk["estimated_time_on_gpu"] == format_seconds(
         tokens / MEASURED_TOKENS_PER_S["compiled"] * 8.03e9 / MEASURED_PARAMETERS)
+    assert faster_disk["recommended_storage_dtype"] == "bf16"  # the configured one, where the disk does not bind
 
     code, text = plan(capsys, *settings[:-1], "extract.reserve_disk_gb=1000000", json_output=False)
     assert code == 1 and "extraction would refuse to start: not enough disk" in text
