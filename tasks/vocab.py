@@ -21,7 +21,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
 from tasks.common.sealed import damage, seal
 from tasks.common.verifier import inspect_verifier
@@ -92,6 +91,10 @@ def build_vocab(prepared_path: str, prepared_fp: str, verifier_path: str, output
         if problem is None:
             return read_result(final)
         log.warning("vocab %s is damaged (%s): built again", final, problem)
+
+    # imported here: speculators (and the torch and transformers modules it loads) takes seconds to
+    # import, paid by every process that imports the flow otherwise, the CLI's included
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
     counts = token_frequencies(load_prepared(prepared_path), verifier_vocab)
     nonzero = np.nonzero(counts)[0]

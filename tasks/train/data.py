@@ -26,9 +26,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import xxhash
-from speculators.models.eagle3.data import shift_batch
-from speculators.train.data import CollateFn
-from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 from torch.utils.data import DataLoader, Dataset
 
 from tasks.common.errors import PermanentError
@@ -160,6 +157,9 @@ class StepBatches(torch.utils.data.Sampler):
     @staticmethod
     def _packed(lengths: list[int], total_seq_len: int, slots: int, slot: int, seed: int,
                 epoch: int) -> list[list[int]]:
+        # speculators is imported where it is used (as in tasks/vocab.py): seconds a process otherwise
+        from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+
         sampler = MultipackDistributedBatchSamplerV2(total_seq_len, lengths, num_replicas=slots, rank=slot, seed=seed)
         sampler.set_epoch(epoch)
         return [b.tolist() for b in sampler]
@@ -202,6 +202,9 @@ class TrainSchedule:
 
 def make_loader(dataset: ShardDataset, sampler: StepBatches, total_seq_len: int, hidden_size: int,
                 dtype: torch.dtype, workers: int) -> DataLoader:
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.data import CollateFn
+
     collate = CollateFn(total_seq_len, hidden_size, num_target_layers=3, dtype=dtype, preprocess=shift_batch)
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
                       pin_memory=torch.cuda.is_available(), persistent_workers=False,
