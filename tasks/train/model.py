@@ -3,8 +3,8 @@
 The draft is speculators' Eagle3DraftModel, shaped like the verifier (hidden size, heads, vocabulary)
 but built from what vLLM's EAGLE-3 draft serves, whatever the verifier uses: a Llama layer with full
 attention, a SiLU MLP, RMSNorm, and a rope vLLM computes as transformers does. The optimizers are
-speculators' choice (AdamW, or Muon with AdamW), each with a cosine schedule after a linear warmup. Saving, resuming and
-exporting it: tasks/train/checkpoints.py.
+speculators' AdamW (built as it builds it, with torch's fused kernel) or Muon with AdamW, each with a
+cosine schedule after a linear warmup. Saving, resuming and exporting it: tasks/train/checkpoints.py.
 """
 
 from __future__ import annotations
@@ -67,10 +67,10 @@ def build_optimizers(model, s, total_steps: int):
     from transformers import get_cosine_schedule_with_warmup
 
     if s.optimizer == "adamw":
-        # speculators' AdamW, with torch's fused kernel: one pass over each parameter, its gradient and
-        # moments, where the default (foreach) makes several and allocates a temporary the size of the
-        # parameters; its kernels took 7.9 ms of a 131-ms GPU step for an 8B-shaped draft (one H100,
-        # 2026-12-06, docs/BENCHMARKS.md). The same update, on a GPU and on a CPU.
+        # speculators' AdamW (the same constructor call), with torch's fused kernel: one pass over each
+        # parameter, its gradient and moments, where the default (foreach) makes several. For an 8B-shaped
+        # draft on one H100 it took 4.8 ms off a ~127-ms GPU step (AdamW's kernels 4.7 ms against foreach's
+        # 7.9; 2026-12-06, docs/BENCHMARKS.md). The same update, on a GPU and on a CPU.
         optimizers = [torch.optim.AdamW(model.named_parameters(), lr=s.lr, weight_decay=s.weight_decay, fused=True)]
     else:
         optimizers = speculators_optimizers(model, argparse.Namespace(
