@@ -255,6 +255,15 @@ class TrainSettings(Section):
     nproc: int = Field(1, gt=0, description="Processes for DDP under torchrun (one per GPU).")
     loader_workers: int = Field(0, ge=0, description="DataLoader worker processes.")
     device: str = "auto"
+    init_from: str | None = Field(
+        None, description="Warm start: a draft folder (speculators EAGLE-3 format), or 'previous' for the current "
+        "version in the draft registry (registry.path). Training starts from its weights and keeps its draft "
+        "vocabulary; a draft of another verifier, hidden size, vocabulary or auxiliary layers is refused before any "
+        "work. None: a new draft.")
+    replay_fraction: float = Field(
+        0.25, ge=0, le=1, description="Warm start: the share of the samples the parent draft already trained on "
+        "that are trained on again beside the new ones (replay, against forgetting); the new samples are all "
+        "trained on. Without a warm start, every sample is trained on.")
 
     @model_validator(mode="after")
     def _one_fusion_norm(self):
@@ -271,6 +280,8 @@ class TrainSettings(Section):
             del settings["shuffle_block_shards"]
         if not settings["on_policy_steps"]:  # likewise: supervised throughout, as every earlier run
             del settings["on_policy_steps"]
+        if settings["init_from"] is None:  # a new draft, as every earlier run: replay does not apply
+            del settings["init_from"], settings["replay_fraction"]
         return settings
 
 
@@ -293,6 +304,32 @@ class ValidationSettings(Section):
         description="Share of prompts whose greedy output must be identical with and without the draft "
         "(speculative decoding is lossless; bf16 near-ties flip a few tokens).",
     )
+
+
+class RetrainSettings(Section):
+    """Whether a run trains at all: retraining when the traffic or the verifier changed
+    (tasks/drift/). Needs a current draft in the registry to compare with; without one, the run trains."""
+
+    when: Literal["always", "drift"] = Field(
+        "always", description="'always': train every run. 'drift': first measure the current draft's simulated "
+        "acceptance on this run's new samples against its acceptance on its own validation samples, and train only "
+        "when it dropped by more than drift_threshold (or the verifier changed); otherwise the run ends Completed "
+        "having trained nothing, saying why.")
+    drift_threshold: float = Field(
+        0.05, ge=0, lt=1, description="'drift': the relative drop in simulated acceptance length that calls for "
+        "retraining (0.05: the new samples' acceptance is more than 5% below the draft's own validation samples').")
+
+
+class RegistrySettings(Section):
+    """The draft registry (tasks/registry/): numbered versions of a draft with their validation report,
+    measured acceptance and lineage, and the `current` one the server loads, switched atomically."""
+
+    path: str | None = Field(
+        None, description="The registry's folder; the draft's versions go under <path>/<name>/. None: "
+        "<output_dir>/registry.")
+    promote: bool = Field(
+        False, description="After validation, register the new draft as a version and make it current when "
+        "validation passed and the regression gate against the current draft held. False: nothing is registered.")
 
 
 class ClusterSettings(Section):
@@ -335,6 +372,8 @@ class PipelineConfig(Section):
     vocab: VocabSettings = VocabSettings()
     train: TrainSettings = TrainSettings()
     validation: ValidationSettings = ValidationSettings()
+    retrain: RetrainSettings = RetrainSettings()
+    registry: RegistrySettings = RegistrySettings()
     cluster: ClusterSettings = ClusterSettings()
 
     @model_validator(mode="after")
@@ -365,6 +404,11 @@ class PipelineConfig(Section):
     @property
     def output_path(self) -> Path:
         return Path(self.output_dir)
+
+    @property
+    def registry_path(self) -> Path:
+        """This draft's folder in the registry: <registry.path>/<name>."""
+        return Path(self.registry.path or Path(self.output_dir) / "registry") / self.name
 
 
 class ConfigError(PermanentError, ValueError):
