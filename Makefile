@@ -18,7 +18,10 @@ $(VENV)/.installed: pyproject.toml
 ifeq ($(TARGET),cpu)
 	# torch first, alone, with PyTorch's index (one retry: where a local wheel folder serves the build
 	# and that index is out of reach, it is passed over in seconds); the rest from PyPI, torch installed
-	$(BIN)/pip install -q --retries 1 --extra-index-url $(TORCH_INDEX) "$(TORCH_CPU)"
+	$(BIN)/pip install -q --retries 1 --extra-index-url $(TORCH_INDEX) "$(TORCH_CPU)" || { echo "error: \
+	$(TORCH_CPU) is not on PyPI: it comes from PyTorch's CPU wheel index $(TORCH_INDEX), which did not \
+	serve it here; point TORCH_INDEX at a mirror of that index: make install TORCH_INDEX=https://<mirror>/whl/cpu" >&2; \
+	exit 1; }
 endif
 	$(BIN)/pip install -e ".[$(TARGET),ray,test]"
 ifeq ($(TARGET),cpu)
