@@ -1,5 +1,5 @@
 """Pictures of a run, as PNG files next to its outputs: training curves, acceptance per draft
-position, planned against measured extraction rate.
+position, planned against measured extraction rate; and a draft registry's acceptance across its versions.
 
 matplotlib's object API on its Agg canvas (no pyplot, no global figure state, no display), so the
 functions are safe in Prefect's task threads and on headless machines. The Prefect tasks
@@ -104,4 +104,33 @@ def extraction_rate(planned: float | None, steady: float | None, wall: float | N
     ax.set(title="extraction rate: planned against measured", xlabel="tokens per second")
     ax.margins(x=0.15)
     ax.grid(axis="x", alpha=0.3)
+    return save(fig, path)
+
+
+def acceptance_across_versions(numbers: list[int], measured: list[float | None], simulated: list[float | None],
+                               current: int | None, path: str | Path) -> Path:
+    """A draft registry's versions: vLLM's mean acceptance length (τ) and training's simulated one for
+    each (None: not measured, no point), the current version starred."""
+    fig = Figure(figsize=(8, 4), dpi=DPI, layout="constrained")
+    ax = fig.subplots()
+    for values, color, label in ((simulated, ESTIMATED, "simulated (training, held-out samples)"),
+                                 (measured, MEASURED, "τ, vLLM measured")):
+        points = [(n, v) for n, v in zip(numbers, values, strict=True) if v is not None]
+        if points:  # a version without the figure is a gap in the line (NaN), not a point between its neighbours
+            ax.plot(numbers, [float("nan") if v is None else v for v in values], color=color, marker="o", label=label)
+            for n, v in points:
+                ax.annotate(f"{v:.3f}", (n, v), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+    if current is not None:
+        # the star sits on the figure the gate compares: vLLM's where there is one
+        tau, sim = measured[numbers.index(current)], simulated[numbers.index(current)]
+        if tau is not None or sim is not None:
+            ax.plot([current], [sim if tau is None else tau], marker="*", markersize=16, linestyle="none",
+                    color=ESTIMATED if tau is None else MEASURED, markeredgecolor="black",
+                    label=f"current: version {current}")
+    ax.set_xticks(numbers)
+    ax.set(title="acceptance length across draft versions", xlabel="version", ylabel="tokens per verification step")
+    ax.margins(y=0.15)
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend()
     return save(fig, path)

@@ -15,13 +15,14 @@ import hashlib
 import importlib.util
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tasks.common.errors import PermanentError
 from tasks.common.verifier import inspect_verifier
 from tasks.common.vllm_support import eagle3_support
 from tasks.validate.draft_check import EAGLE31_FLAGS, DraftCheckError, check_draft
+from tasks.validate.serve_line import serve_lines
 from tasks.validate.vllm_live import EngineStartError, compare_outputs, mtbench_prompts, run_engine
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class ValidationResult:
     simulated_acceptance_length: float | None
     baseline_acceptance_length: float | None
     live_skipped: str | None = None  # why vLLM did not serve the draft, where it did not
+    serve_command: str | None = None  # the `vllm serve` line for this draft, k chosen from the measured acceptance
 
 
 def installed_vllm_flags() -> dict[str, bool] | None:
@@ -76,6 +78,7 @@ def validate(draft: str, verifier_path: str, aux_layers: list[int], settings, ou
     for warning in static.warnings:
         log.warning("draft check: %s", warning)
     if not static.ok:
+        report["passed"], report["failed_because"] = False, "static checks: " + "; ".join(static.errors)
         write_reports(out_dir, report)
         raise DraftCheckError(f"{draft} would not serve correctly in vLLM:\n  " + "\n  ".join(static.errors))
 
@@ -95,7 +98,16 @@ def validate(draft: str, verifier_path: str, aux_layers: list[int], settings, ou
     if not live:
         log.warning("vLLM not run, static checks only (validation.live: %s): %s", settings.live,
                     report["live_skipped"])
-    write_reports(out_dir, report)
+    measured_positions = report.get("live", {}).get("draft", {}).get("per_position_acceptance", [])
+    report["serve"] = asdict(serve_lines(verifier_path, draft, measured_positions, trust_remote_code=trust_remote_code))
+    try:
+        check_live(report, settings)
+        report["passed"] = True
+    except ValidationFailed as e:
+        report["passed"], report["failed_because"] = False, str(e)
+        raise
+    finally:  # the verdict is in the report either way (the registry reads it)
+        write_reports(out_dir, report)
     measured = report.get("live", {}).get("draft", {})
     baseline = report.get("live", {}).get("baseline", {})
     result = ValidationResult(
@@ -110,8 +122,8 @@ def validate(draft: str, verifier_path: str, aux_layers: list[int], settings, ou
         simulated_acceptance_length=simulated_acceptance_length,
         baseline_acceptance_length=baseline.get("mean_acceptance_length"),
         live_skipped=report.get("live_skipped"),
+        serve_command=report["serve"]["command"],
     )
-    check_live(report, settings)
     return result
 
 
@@ -171,7 +183,10 @@ def write_reports(out_dir: Path, report: dict) -> None:
 
 def markdown(report: dict) -> str:
     static = report["static"]
+    verdict = ("passed" if report.get("passed") else f"FAILED: {report['failed_because']}" if "failed_because" in report
+               else "FAILED: static checks")
     lines = [f"# Draft validation: `{report['draft']}`", "", f"Verifier: `{report['verifier']}`", "",
+             f"Verdict: {verdict}", "",
              f"## Static checks: {'passed' if static['ok'] else 'FAILED'} ({len(static['checks'])} checks)", ""]
     lines += [f"- FAILED {e}" for e in static["errors"]] + [f"- warning: {w}" for w in static["warnings"]]
     live = report.get("live")
@@ -199,6 +214,10 @@ def markdown(report: dict) -> str:
     else:
         lines += ["", f"vLLM not run: {report.get('live_skipped') or 'validation.live: skip'}.",
                   f"Simulated acceptance length from training: {fmt(sim)}"]
+    if report.get("serve"):
+        serve = report["serve"]
+        lines += ["", "## Serve it", "", f"{serve['why']}", "", "```bash", serve["command"], "```", "",
+                  "```python", "from vllm import LLM", "", f"llm = {serve['python']}", "```"]
     return "\n".join(lines) + "\n"
 
 
