@@ -35,6 +35,7 @@ from tasks.prepare.dataset import PreparedData, read_report
 from tasks.prepare.regenerate import RegenerateJob, regenerate, regeneration_job
 from tasks.prepare.stage import prepare, prepare_fingerprint
 from tasks.prepare.synthesize import SynthesizeJob, synthesis_job, synthesize
+from tasks.scrub import journal_repairs_pending, training_repairs_pending
 from tasks.train.acceptance import replayed_per_position
 from tasks.train.job import TrainJob, TrainResult, train_fingerprint
 from tasks.train.stage import run_training
@@ -49,13 +50,13 @@ from tasks.vocab import VocabResult, build_vocab, vocab_damage
 # folder. The executor (local or Ray) is no part of a key: both write the same outputs.
 # tests/pipeline/test_code_layout.py checks these lists against what each stage imports.
 PLUMBING = ("tasks.common.config", "tasks.common.errors", "tasks.common.folder_lock", "tasks.common.progress",
-            "tasks.common.vllm_support", "tasks.common.workers", "tasks.common.demo_assets")
+            "tasks.common.vllm_support", "tasks.common.workers", "tasks.common.demo_assets", "tasks.common.hub")
 PREPARE_CODE = ("tasks.prepare.stage", "tasks.prepare.dataset", "tasks.prepare.chat_data",
                 "tasks.prepare.chat_template", "tasks.prepare.samples", "tasks.prepare.regenerate",
-                "tasks.prepare.synthesize", "tasks.prepare.generators", "tasks.prepare.decode_attention",
-                "tasks.common.journal", "tasks.common.verifier")
+                "tasks.prepare.answer_store", "tasks.prepare.synthesize", "tasks.prepare.generators",
+                "tasks.prepare.decode_attention", "tasks.common.journal", "tasks.common.verifier")
 EXTRACT_CODE = ("tasks.extract.stage", "tasks.extract.job", "tasks.extract.plan", "tasks.extract.writer",
-                "tasks.extract.shards", "tasks.extract.stream", "tasks.extract.storage_dtype",
+                "tasks.extract.content_index", "tasks.common.content", "tasks.extract.shards", "tasks.extract.stream", "tasks.extract.storage_dtype",
                 "tasks.extract.backends.hf", "tasks.extract.backends.vllm", "tasks.extract.backends.vllm_connector",
                 "tasks.prepare.dataset", "tasks.common.journal", "tasks.common.sealed", "tasks.common.verifier")
 VOCAB_CODE = ("tasks.vocab", "tasks.prepare.dataset", "tasks.common.sealed", "tasks.common.verifier")
@@ -63,19 +64,21 @@ VOCAB_CODE = ("tasks.vocab", "tasks.prepare.dataset", "tasks.common.sealed", "ta
 TRAIN_CODE = ("tasks.train.stage", "tasks.train.job", "tasks.train.loop", "tasks.train.data", "tasks.train.model",
               "tasks.train.evaluation", "tasks.train.acceptance", "tasks.train.on_policy", "tasks.train.checkpoints",
               "tasks.train.step_profile", "tasks.train.tracking", "tasks.train.targets", "tasks.train.stream",
-              "tasks.train.compile_cache", "tasks.extract.stream", "tasks.extract.job", "tasks.extract.plan",
-              "tasks.extract.writer", "tasks.extract.shards", "tasks.extract.storage_dtype", "tasks.extract.backends.hf",
+              "tasks.train.compile_cache", "tasks.train.warm_start", "tasks.common.content", "tasks.extract.stream", "tasks.extract.job", "tasks.extract.plan",
+              "tasks.extract.content_index", "tasks.extract.writer", "tasks.extract.shards", "tasks.extract.storage_dtype", "tasks.extract.backends.hf",
               "tasks.extract.backends.vllm", "tasks.extract.backends.vllm_connector", "tasks.prepare.dataset",
               "tasks.vocab", "tasks.common.journal", "tasks.common.sealed", "tasks.common.verifier")
 VALIDATE_CODE = ("tasks.validate.stage", "tasks.validate.draft_check", "tasks.validate.vllm_live",
-                 "tasks.common.verifier")
+                 "tasks.validate.serve_line", "tasks.common.verifier")
 
 
 # ---------------------------------------------------------------------------------- prepare
 
 
-def _prepare_key(ctx, p) -> str:
+def _prepare_key(ctx, p) -> str | None:
     c: PipelineConfig = p["config"]
+    if journal_repairs_pending(c.output_dir):  # `verify` set damaged answers or prompts aside: no cache hit
+        return None  # regeneration and synthesis redo what is missing (Prefect caches nothing for None)
     regenerate = ({**c.data.regenerate.output_settings(), "verifier": verifier_fingerprint(c.verifier.path),
                    "synthesize": c.data.synthesize.output_settings() if c.data.synthesize.prompts else None}
                   if c.data.regenerate.enabled else None)
@@ -200,8 +203,12 @@ def _train_job(config: PipelineConfig, prepared: PreparedData, extracted: Extrac
                     config.verifier.trust_remote_code, config.train.model_dump())
 
 
-def _train_key(ctx, p) -> str:
+def _train_key(ctx, p) -> str | None:
     c: PipelineConfig = p["config"]
+    # `verify` set a damaged checkpoint or draft aside, or the draft is not as sealed: no cache hit; training
+    # resumes from the newest intact checkpoint and exports the draft again
+    if training_repairs_pending(_train_job(c, p["prepared"], p["extracted"], p["vocab"]).out_dir):
+        return None
     return cache_key(ctx, p["extracted"].fingerprint, p["vocab"].fingerprint, c.train.output_settings(),
                      c.output_dir, code=TRAIN_CODE)
 

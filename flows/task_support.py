@@ -19,6 +19,7 @@ from tasks.common.config import PipelineConfig
 from tasks.common.errors import describe, is_deterministic
 from tasks.common.plots import data_uri
 from tasks.common.progress import ProgressEvent
+from tasks.prepare.chat_data import source_name
 
 
 def retry_transient(task, task_run, state) -> bool:
@@ -91,7 +92,7 @@ def run_name() -> str:
 
     config = flow_run.parameters["config"]
     config = config if isinstance(config, PipelineConfig) else PipelineConfig.model_validate(config)
-    data = ", ".join(Path(s.removeprefix("demo://")).name for s in config.data.sources)
+    data = ", ".join(Path(source_name(s).removeprefix("demo://")).name for s in config.data.sources)
     return f"{Path(config.verifier.path.removeprefix('demo://')).name} on {data} ({config.name})"
 
 

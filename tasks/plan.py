@@ -54,6 +54,7 @@ from tasks.extract.plan import (
 )
 from tasks.extract.storage_dtype import bytes_per_token
 from tasks.preflight import PreflightError, check_live_validation
+from tasks.prepare.chat_data import source_name
 from tasks.prepare.dataset import PreparedData, load_prepared
 from tasks.prepare.stage import prepare
 from tasks.train.sizing import TrainingSize, size_training
@@ -276,7 +277,7 @@ def size_run(config: PipelineConfig, gpu_tflops: float = H100_BF16_TFLOPS, keep:
     if config.data.synthesize.prompts:
         log.info("the %d prompts data.synthesize writes are not counted: the plan covers data.sources",
                  config.data.synthesize.prompts)
-    log.info("planning %s: tokenizing %s", config.name, ", ".join(config.data.sources))
+    log.info("planning %s: tokenizing %s", config.name, ", ".join(map(source_name, config.data.sources)))
     with tokenizer_for(config) as (tokenizer_path, tokenizer), prepared_into(config, keep) as where:
         prepared = prepare(tokenizer_path, config.data.sources, where, max_seq_len=config.data.max_seq_len,
                            max_rows=config.data.max_rows, supervise_end_of_turn=config.data.supervise_end_of_turn,

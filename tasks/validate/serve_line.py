@@ -27,6 +27,8 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+from tasks.common.hub import hub_snapshot
+
 K_RANGE = range(1, 6)
 DEFAULT_DRAFT_COST = 0.05
 DEFAULT_K = 3  # without a measurement: validation's own num_speculative_tokens default
@@ -108,8 +110,12 @@ def serve_lines(verifier: str, draft: str, per_position: list[float], *, trust_r
     k, why = choose_k(verifier, draft, per_position)
     # the explicit form validation serves with (tasks/validate/vllm_live.py): without "method", vLLM guesses it
     speculative_config = {"model": draft, "num_speculative_tokens": k, "method": "eagle3"}
-    args = ["vllm", "serve", verifier, "--speculative-config", json.dumps(speculative_config)]
-    keywords = f"model={verifier!r}, speculative_config={speculative_config!r}"
+    snapshot = hub_snapshot(verifier)  # a Hub id's snapshot folder: served by its id, pinned to that commit
+    served = snapshot.repo_id if snapshot else verifier
+    pin = ["--revision", snapshot.commit] if snapshot else []
+    args = ["vllm", "serve", served, *pin, "--speculative-config", json.dumps(speculative_config)]
+    keywords = f"model={served!r}, " + (f"revision={snapshot.commit!r}, " if snapshot else "") + \
+        f"speculative_config={speculative_config!r}"
     if trust_remote_code:
         args.append("--trust-remote-code")
         keywords += ", trust_remote_code=True"

@@ -143,6 +143,7 @@ def test_relative_paths_become_absolute_for_every_stage(tmp_path, monkeypatch):
     from tasks.common.demo_assets import resolve_config
 
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "v").mkdir(parents=True)  # there: a path `org/name` that is no folder is a Hub id
     config = PipelineConfig.model_validate({"name": "x", "output_dir": "out", "verifier": {"path": "models/v"},
                                             "data": {"sources": ["data/chats.jsonl"]},
                                             "validation": {"prompts": "prompts.jsonl"}})
