@@ -4,7 +4,10 @@
 PREFECT_HOME is set, Prefect's database and result store live in `<output_dir>/.prefect`, so runs
 of one output folder share a cache and nothing leaks into ~/.prefect.
 `config` prints the validated config (`--json`: one line, for `prefect deployment run --param`);
-`plan` sizes a run on any machine (tasks/plan.py); `prune-shards` frees stale shards.
+`plan` sizes a run on any machine (tasks/plan.py); `prune-shards` frees stale shards; `gc` removes the
+outputs no kept run references (tasks/gc.py); `verify` re-reads every file a run trusts and moves what
+fails aside, for the next run to redo (tasks/scrub.py); `drafts` lists,
+promotes and rolls back the versions of the draft registry (tasks/registry/).
 
 Exit status: 0 done; 2 a problem a retry cannot fix (a bad config, a missing or empty input, an
 unwritable output folder, a deterministic failure in a stage), named in one `error:` line; 1 a
@@ -20,7 +23,6 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -29,11 +31,13 @@ import yaml
 
 from flows.prefect_env import set_aside_damaged_database, start_run_server, use_private_prefect_home
 from flows.run_log import run_log
+from flows.stop import Stopped, end_stopped_run, run_began, stop_on_signals
 from tasks.common.config import ConfigError, load_config
 from tasks.common.demo_assets import resolve_config
 from tasks.common.errors import PermanentError, describe, is_deterministic
 from tasks.common.folder_lock import FolderLockedError, folder_lock, refuse_if_busy
 from tasks.preflight import check_before_run, check_data, check_writable
+from tasks.prepare.chat_data import source_name
 
 
 def parse_overrides(items: list[str]) -> dict:
@@ -62,9 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `eagle3-pipeline config X | head`: the reader has gone, nothing to report
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor at exit, when stdout is flushed
         return 0
-    except Stopped as stop:  # while starting (checks, Prefect's server, imports): no stage had begun
-        print(f"eagle3-pipeline: stopped by {stop} before the run began", file=sys.stderr)
-        return 128 + stop.signum
+    except Stopped as stop:  # while starting (checks, Prefect's server, imports), or after run_flow
+        end_stopped_run(stop)
 
 
 def command(argv: list[str] | None) -> int:
@@ -97,15 +100,38 @@ def command(argv: list[str] | None) -> int:
     prune = sub.add_parser("prune-shards", help="delete hidden-state shards no extraction manifest lists")
     prune.add_argument("folder", help="an output's hidden_states/ folder")
     prune.add_argument("--keep", metavar="MANIFEST", help="keep only this manifest's shards (and manifest)")
+    verify = sub.add_parser("verify", help="re-read every file a run trusts (shards, checkpoints, the draft, "
+                            "journals, vocabularies) against its checksums, move what fails aside, and say which "
+                            "command repairs it; exits 0 intact, 1 damage found, 2 not an output folder, 3 in use")
+    verify.add_argument("output_dir", help="a pipeline's output_dir")
+    gc = sub.add_parser("gc", help="remove the outputs no kept run references (the newest run records, the "
+                        "registry's versions) and say how many files and bytes")
+    gc.add_argument("output_dir", help="a pipeline's output_dir")
+    gc.add_argument("--dry-run", action="store_true", help="say what would be removed; remove nothing")
+    gc.add_argument("--keep-runs", type=int, default=3, metavar="N", help="keep what the newest N run records "
+                    "(OUTPUT_DIR/runs/*.json) reference (default 3)")
+    gc.add_argument("--registry", metavar="PATH", help="the draft registry whose versions are kept "
+                    "(default OUTPUT_DIR/registry)")
+    add_drafts_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "run":
         stop_on_signals()  # from here on, a signal is a polite stop (checks, imports and Prefect's start included)
+    if args.command == "gc":
+        from tasks.gc import gc_command
+
+        return gc_command(args.output_dir, dry_run=args.dry_run, keep_runs=args.keep_runs, registry=args.registry)
+    if args.command == "verify":
+        from tasks.scrub import verify_command
+
+        return verify_command(args.output_dir)
     if args.command == "prune-shards":
         from tasks.extract.shards import prune as prune_shards
 
         files, freed = prune_shards(args.folder, args.keep)
         print(f"removed {files} shard files, {freed / 1e9:.2f} GB freed")
         return 0
+    if args.command == "drafts":
+        return drafts(args)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -119,7 +145,7 @@ def command(argv: list[str] | None) -> int:
         if args.command == "run":  # a busy folder is refused before the slow start (checks, Prefect's import)
             refuse_if_busy(output, "eagle3-pipeline")
         config = config.model_copy(update={"output_dir": str(output)})  # results name absolute paths
-        resolved = resolve_config(config)
+        resolved = resolve_config(config, weights=args.command != "plan")  # a plan reads no weights
         if args.command == "plan":
             return print_plan(resolved, args.gpu_tflops, args.disk_gb_per_s, args.json, args.keep)
         check_before_run(resolved)
@@ -152,6 +178,7 @@ def run_flow(pipeline, config, resolved, output: Path, prefect_home: Path, log_f
     t0 = time.monotonic()
     try:
         with folder_lock(output, "eagle3-pipeline"):  # one run per output folder (and its Prefect database)
+            run_began()
             state = pipeline(config, return_state=True)
     except FolderLockedError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -159,11 +186,8 @@ def run_flow(pipeline, config, resolved, output: Path, prefect_home: Path, log_f
     except PermanentError as e:  # the folder's lock file is read-only
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except Stopped as stop:
-        mark_cancelled(str(stop))
-        print(f"eagle3-pipeline: stopped by {stop}: every process of the run ended after "
-              f"{time.monotonic() - stop.at:.1f} s; run the same command to resume", file=sys.stderr)
-        return 128 + stop.signum
+    except Stopped as stop:  # the stage has unwound: the rest of the run ends, then this process
+        end_stopped_run(stop)
     stages = stage_runs(state.state_details.flow_run_id)
     if not state.is_completed():
         return report_failure(state, stages, log_file)
@@ -182,13 +206,26 @@ def run_flow(pipeline, config, resolved, output: Path, prefect_home: Path, log_f
         summary[key] = {"from_cache": stage is not None and stage.state.name == "Cached", **value.__dict__}
     print(json.dumps(summary, indent=1, default=str))
     print(f"eagle3-pipeline: done in {time.monotonic() - t0:.0f} s; outputs under {output}")
+    for line in closing_lines(results):
+        print(f"eagle3-pipeline: {line}")
     return 0
+
+
+def closing_lines(results: dict) -> list[str]:
+    """What a user does next: why nothing was trained, or how to serve the draft (the registry's version)."""
+    drift, promoted, validated = (results.get(k) for k in ("drift", "promoted", "validated"))
+    if drift is not None and not drift.retrain:
+        return [f"no retraining: {drift.reason}"]
+    if promoted is not None:
+        return [f"draft version {promoted.version} is current in {promoted.registry}; serve it with:",
+                promoted.serve_command]
+    return ["serve the draft with:", validated.serve_command] if validated and validated.serve_command else []
 
 
 def print_plan(config, gpu_tflops: float | None, disk_gb_per_s: float | None, as_json: bool, keep: bool) -> int:
     """The checks a plan can make without weights (data, output folder), then the plan."""
     print(f"eagle3-pipeline plan: sizing '{config.name}' for {config.verifier.path} (tokenizing "
-          f"{', '.join(config.data.sources)}; nothing loads a model)", file=sys.stderr, flush=True)
+          f"{', '.join(map(source_name, config.data.sources))}; nothing loads a model)", file=sys.stderr, flush=True)
     from tasks.plan import H100_BF16_TFLOPS, MEASURED_DISK_BYTES_PER_S, size_run
 
     check_data(config)
@@ -200,49 +237,55 @@ def print_plan(config, gpu_tflops: float | None, disk_gb_per_s: float | None, as
     return 1 if sizing.problems else 0
 
 
-# the flow's result keys -> the task that produced each
-STAGE_OF_RESULT = {"prepared": "prepare", "extracted": "extract", "vocab": "vocab", "trained": "train",
-                   "validated": "validate"}
+def add_drafts_parser(sub) -> None:
+    drafts_parser = sub.add_parser("drafts", help="the draft registry: list its versions, promote one, roll back")
+    actions = drafts_parser.add_subparsers(dest="action", required=True)
+    listing = actions.add_parser("list", help="every version: created, τ measured by vLLM, simulated acceptance, "
+                                 "validation, parent; the current one marked *")
+    promote = actions.add_parser("promote", help="make version N current (it must have passed validation)")
+    promote.add_argument("version", type=int, metavar="N")
+    rollback = actions.add_parser("rollback", help="make current again the version that was current before the "
+                                  "last promotion")
+    for action, done in ((promote, "promoted by hand"), (rollback, "rolled back by hand")):
+        action.add_argument("--reason", default=done, help=f"why, for the registry's history (default: {done!r})")
+    for action in (listing, promote, rollback):
+        action.add_argument("config", nargs="?", help="a YAML config: its registry, <registry.path>/<name>")
+        action.add_argument("--registry", metavar="DIR", help="the registry's folder, <registry.path>/<name> "
+                            "(instead of a config)")
 
 
-class Stopped(KeyboardInterrupt):
-    """SIGTERM or SIGINT, raised in the main thread wherever the run is. A BaseException, so that
-    Prefect's engine does not take it for a task's failure to retry: the stage unwinds, ending its
-    worker processes on the way (tasks/common/workers.py), and the folder's lock goes with it."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum, self.at = signum, time.monotonic()
-
-
-def stop_on_signals() -> None:
-    """A polite stop for a `kill PID`, systemd (KillMode=process), a container runtime or Ctrl-C;
-    a second signal ends this process outright."""
-    def stop(signum, frame):
-        for s in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(s, signal.SIG_DFL)
-        raise Stopped(signum)
-
-    for s in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(s, stop)
-
-
-def mark_cancelled(reason: str) -> None:
-    """The stopped flow run, and its task runs still running, as Cancelled on the run's Prefect
-    server (while it still runs: it stops when this process exits)."""
-    from prefect import get_client
-    from prefect.client.schemas.sorting import FlowRunSort
-    from prefect.states import Cancelled
+def drafts(args) -> int:
+    """`drafts list | promote N | rollback`: 0 done; 2 refused, why in one `error:` line; 3 the registry in use."""
+    from tasks.registry.listing import table
+    from tasks.registry.picture import draw_acceptance
+    from tasks.registry.promotion import promote, rollback
 
     try:
-        with get_client(sync_client=True) as client:
-            for flow_run in client.read_flow_runs(sort=FlowRunSort.START_TIME_DESC, limit=1):
-                for task_run in client.read_task_runs():
-                    if task_run.flow_run_id == flow_run.id and not (task_run.state and task_run.state.is_final()):
-                        client.set_task_run_state(task_run.id, Cancelled(message=f"stopped by {reason}"), force=True)
-                client.set_flow_run_state(flow_run.id, Cancelled(message=f"stopped by {reason}"), force=True)
-    except Exception as e:  # the record only: the processes are already ended
-        logging.getLogger(__name__).warning("could not mark the flow run Cancelled: %s", e)
+        if (args.config is None) == (args.registry is None):
+            raise ConfigError("drafts: name the registry, by its folder (--registry DIR) or by a config (CONFIG.yaml)")
+        registry = Path(args.registry) if args.registry else load_config(args.config).registry_path
+        if args.action == "list":
+            print(table(registry))
+            return 0
+        if args.action == "promote":
+            version, done = promote(registry, args.version, args.reason), "promoted"
+        else:
+            version, done = rollback(registry, args.reason), "rolled back to"
+    except PermanentError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except FolderLockedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
+    print(f"{done} version {version.number}: {registry / 'current'} -> {version.path}")
+    print(f"serve it with: {version.serve_command()}")
+    print(f"acceptance across versions: {draw_acceptance(registry)}")
+    return 0
+
+
+# the flow's result keys -> the task that produced each
+STAGE_OF_RESULT = {"prepared": "prepare", "extracted": "extract", "vocab": "vocab", "drift": "drift-check",
+                   "trained": "train", "validated": "validate", "promoted": "promote"}
 
 
 def report_failure(state, stages: dict, log_file: Path) -> int:

@@ -25,6 +25,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.logging import get_run_logger
 
+from flows.retraining import warm_start
 from flows.task_support import GPU_STAGE, RETRY_TRANSIENT, ProgressArtifact, cache_key, show_picture, stage_dir, table
 from tasks.common import plots
 from tasks.common.config import PipelineConfig
@@ -35,6 +36,7 @@ from tasks.prepare.dataset import PreparedData, read_report
 from tasks.prepare.regenerate import RegenerateJob, regenerate, regeneration_job
 from tasks.prepare.stage import prepare, prepare_fingerprint
 from tasks.prepare.synthesize import SynthesizeJob, synthesis_job, synthesize
+from tasks.registry.layout import Version
 from tasks.scrub import journal_repairs_pending, training_repairs_pending
 from tasks.train.acceptance import replayed_per_position
 from tasks.train.job import TrainJob, TrainResult, train_fingerprint
@@ -195,28 +197,32 @@ def vocab_task(config: PipelineConfig, prepared: PreparedData) -> VocabResult:
 # ---------------------------------------------------------------------------------- train
 
 
-def _train_job(config: PipelineConfig, prepared: PreparedData, extracted: ExtractResult,
-               vocab: VocabResult) -> TrainJob:
-    fp = train_fingerprint(extracted.fingerprint, vocab.fingerprint, config.train.model_dump())
+def _train_job(config: PipelineConfig, prepared: PreparedData, extracted: ExtractResult, vocab: VocabResult,
+               parent: Version | None) -> tuple[TrainJob, str]:
+    """The job and its fingerprint; a warm start's (train.init_from) covers the parent draft's bytes."""
+    init_from, parent_manifest = warm_start(config, parent)
+    settings = config.train.model_copy(update={"init_from": init_from}).model_dump()
+    fp = train_fingerprint(extracted.fingerprint, vocab.fingerprint, settings, init_from, parent_manifest)
     return TrainJob(extracted.manifest, prepared.path, vocab.path, config.verifier.path,
                     str(stage_dir(config, "train") / fp[:16]), extracted.layers[:3],
-                    config.verifier.trust_remote_code, config.train.model_dump())
+                    config.verifier.trust_remote_code, settings, init_from, parent_manifest), fp
 
 
 def _train_key(ctx, p) -> str | None:
     c: PipelineConfig = p["config"]
+    job, fp = _train_job(c, p["prepared"], p["extracted"], p["vocab"], p["parent"])
     # `verify` set a damaged checkpoint or draft aside, or the draft is not as sealed: no cache hit; training
     # resumes from the newest intact checkpoint and exports the draft again
-    if training_repairs_pending(_train_job(c, p["prepared"], p["extracted"], p["vocab"]).out_dir):
+    if training_repairs_pending(job.out_dir):
         return None
-    return cache_key(ctx, p["extracted"].fingerprint, p["vocab"].fingerprint, c.train.output_settings(),
-                     c.output_dir, code=TRAIN_CODE)
+    return cache_key(ctx, fp, c.output_dir, code=TRAIN_CODE)
 
 
 @task(name="train", cache_key_fn=_train_key, tags=["gpu"], **GPU_STAGE)
 def train_task(config: PipelineConfig, prepared: PreparedData, extracted: ExtractResult,
-               vocab: VocabResult) -> TrainResult:
-    job = _train_job(config, prepared, extracted, vocab)
+               vocab: VocabResult, parent: Version | None = None) -> TrainResult:
+    """`parent`: the registry's current draft, which `train.init_from: previous` starts from."""
+    job, _ = _train_job(config, prepared, extracted, vocab, parent)
     progress = ProgressArtifact("draft training")
     # a streamed extraction runs beside training (tasks/extract/stream.py), with its own progress
     streaming = ProgressArtifact("hidden-state extraction, streamed") if extracted.streamed else None

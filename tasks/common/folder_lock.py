@@ -23,6 +23,7 @@ from pathlib import Path
 from tasks.common.errors import PermanentError
 
 LOCK_NAME = ".lock"
+_HELD_HERE: set[Path] = set()  # folders this process holds the lock of (flock is per open file, not per process)
 
 
 class FolderLockedError(RuntimeError):
@@ -67,9 +68,18 @@ def folder_lock(folder: str | Path, what: str) -> Iterator[int]:
                   "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv)[:300]}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(holder).encode(), 0)
-        yield fd
+        _HELD_HERE.add(folder.resolve())
+        try:
+            yield fd
+        finally:
+            _HELD_HERE.discard(folder.resolve())
     finally:
         os.close(fd)  # releases the lock unless a worker process still holds the inherited descriptor
+
+
+def held_here(folder: str | Path) -> bool:
+    """Whether this process holds `folder`'s lock (the CLI holds its output folder's around the flow)."""
+    return Path(folder).resolve() in _HELD_HERE
 
 
 def held_by_live_process(folder: str | Path) -> bool | None:

@@ -18,6 +18,12 @@ class PreparedData:
     rows: int
     tokens: int
     supervised_tokens: int
+    # the folders under the outputs its rows were read from (regenerated answers, synthesized prompts): a
+    # run that keeps this data keeps them (`eagle3-pipeline gc`)
+    made_from: tuple[str, ...] = ()
+    # the verifier's answers this run wrote, and those it found in the answer store (regeneration on)
+    conversations_answered: int | None = None
+    conversations_reused: int | None = None
 
 
 def load_prepared(path: str | Path):

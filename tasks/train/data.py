@@ -12,7 +12,8 @@ therefore sees exactly the batches two DDP ranks would, which makes runs compara
 world sizes and lets a killed run resume at the exact step.
 
 Before any of it, `check_inputs` makes sure the shards, the vocabulary and the verifier belong
-together.
+together (and a warm start's draft: tasks/train/warm_start.py); a warm start trains on the samples
+its parent did not, and a replay share of those it did (`warm_start_samples`).
 """
 
 from __future__ import annotations
@@ -28,11 +29,13 @@ import torch.distributed as dist
 import xxhash
 from torch.utils.data import DataLoader, Dataset
 
+from tasks.common.content import sample_key
 from tasks.common.errors import PermanentError
 from tasks.common.verifier import inspect_verifier, verifier_fingerprint
 from tasks.extract.shards import ShardReader
-from tasks.prepare.dataset import load_prepared
+from tasks.prepare.dataset import load_prepared, token_rows
 from tasks.train.job import TrainJob
+from tasks.train.warm_start import check_warm_start, draft_vocab, parent_sample_keys, replay_choice
 from tasks.vocab import load_vocab
 
 log = logging.getLogger(__name__)
@@ -111,6 +114,31 @@ def split_shards(reader: ShardReader, val_fraction: float) -> tuple[list[int], l
         held = {len(shards) - 1}
     return ([i for i, (s, _) in enumerate(reader.index) if s not in held],
             [i for i, (s, _) in enumerate(reader.index) if s in held])
+
+
+def sample_keys(dataset: ShardDataset) -> list[str]:
+    """Each sample's content key (tasks/common/content.py), in the reader's order: as the manifest lists
+    them, else (a manifest from before content keys) from the prepared token ids, which extraction
+    checked the shards hold."""
+    if None not in dataset.reader.sample_keys:
+        return dataset.reader.sample_keys
+    by_row = [sample_key(ids) for ids in token_rows(dataset.prepared)]
+    return [by_row[row] for row in dataset.rows]
+
+
+def warm_start_samples(dataset: ShardDataset, train_indices: list[int], parent_manifest: str | None,
+                       replay_fraction: float, seed: int) -> tuple[list[int], int, int]:
+    """A warm start's training samples (tasks/train/warm_start.py): those of `train_indices` the
+    parent did not train on, and a `replay_fraction` share of those it did; returns them with how
+    many are new and how many replayed. Without the parent's manifest every sample counts as new."""
+    if parent_manifest is None:
+        return train_indices, len(train_indices), 0
+    chosen = replay_choice(train_indices, sample_keys(dataset), parent_sample_keys(parent_manifest),
+                           replay_fraction, seed)
+    if not chosen[0]:
+        raise TrainDataError(f"nothing to train on: the parent draft trained on all {len(train_indices)} training "
+                             f"samples and train.replay_fraction {replay_fraction} replays none of them")
+    return chosen
 
 
 def shard_blocks(dataset: ShardDataset, shards_per_block: int) -> list[list[int]]:
@@ -227,7 +255,8 @@ def verify_shards(reader: ShardReader, rank: int, world: int) -> None:
 
 
 def check_inputs(job: TrainJob, manifest: dict) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
-    """Shards, vocabulary and verifier belong together; returns (d2t, t2d, draft vocab size)."""
+    """Shards, vocabulary and verifier belong together, and so does a warm start's draft; returns
+    (d2t, t2d, draft vocab size): the vocab stage's, or the warm start's draft's own."""
     verifier = inspect_verifier(job.verifier_path)
     if manifest.get("verifier_fingerprint") != verifier_fingerprint(job.verifier_path):
         raise TrainDataError(f"the shards in {Path(job.manifest).parent} were extracted from another verifier "
@@ -239,6 +268,10 @@ def check_inputs(job: TrainJob, manifest: dict) -> tuple[torch.Tensor | None, to
         raise TrainDataError(f"shard hidden size {manifest['hidden_size']} != verifier's {verifier.hidden_size}")
     if manifest["samples"] == 0:
         raise TrainDataError("the extraction holds no samples")
+    if job.init_from is not None:  # a warm start keeps the draft's vocabulary: its lm_head rows mean those tokens
+        check_warm_start(job.init_from, job.verifier_path, job.aux_layers, verifier.hidden_size, verifier.vocab_size,
+                         job.train_settings, job.parent_manifest)
+        return draft_vocab(job.init_from, verifier.vocab_size)
     d2t, t2d = load_vocab(job.vocab_path, verifier.vocab_size)
     if d2t.numel() == verifier.vocab_size:
         return None, None, verifier.vocab_size  # full vocabulary: no mapping (speculators' convention)

@@ -21,6 +21,8 @@ the accelerator every step), so this is one lean loop that runs the same on CPU 
 - `train.on_policy_steps`: the run's last steps train on the states the draft's own drafting reaches
   (tasks/train/on_policy.py): each micro-batch is drafted first, without gradients, and the loss
   weighs only the (start, step) pairs replayed greedy decoding runs.
+- `train.init_from`: a warm start (tasks/train/warm_start.py) begins at a trained draft's weights, with
+  its vocabulary, and trains on the samples its parent did not see plus a replay share of those it did.
 - The best checkpoint is chosen by the *simulated acceptance length* on held-out samples, not
   by loss (acceptance can peak while loss still falls), and exported in bf16 as `draft/`.
 """
@@ -64,6 +66,7 @@ from tasks.train.data import (
     split_indices,
     split_shards,
     verify_shards,
+    warm_start_samples,
 )
 from tasks.train.evaluation import accumulate, evaluate, reduce_metrics, reduce_sums
 from tasks.train.job import TrainJob, TrainResult
@@ -73,6 +76,7 @@ from tasks.train.step_profile import StepProfiler
 from tasks.train.stream import ShardWaiter, TrainStream
 from tasks.train.targets import check_targets, last_states
 from tasks.train.tracking import TrainingLog
+from tasks.train.warm_start import load_parent_weights
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +126,10 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
                           else split_indices(full.reader.sample_ids, s.val_fraction))
     if not train_idx:
         raise TrainDataError("no training samples after the validation split")
+    new_samples, replayed_samples = len(train_idx), 0
+    if job.init_from is not None:  # the samples the parent did not train on, and a replay share of those it did
+        train_idx, new_samples, replayed_samples = warm_start_samples(full, train_idx, job.parent_manifest,
+                                                                      s.replay_fraction, s.seed)
     train_set = full.subset(train_idx)
     val_set = full.subset(val_idx) if val_idx else None
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -133,6 +141,12 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
         raise TrainDataError(f"{len(train_idx)} training samples give no full step for {world} process(es) x "
                              f"{s.grad_accum_steps} micro-batches; lower train.total_seq_len or add data")
     total_steps = schedule.total_steps
+    if job.init_from is not None and rank == 0:
+        log.info("warm start from %s: %s; %d steps", job.init_from, (
+            f"{new_samples} new samples, {replayed_samples} replayed (train.replay_fraction {s.replay_fraction} of "
+            "those the parent trained on)" if job.parent_manifest is not None else
+            f"{new_samples} samples, all counted as new (no parent manifest: which samples the parent trained on "
+            "is unknown)"), total_steps)
     # the samples the targets are checked on: in block order, ones a stream keeps all run (its
     # validation shards, else the first block read)
     probe = train_set if not blocks else val_set or train_set.subset(
@@ -173,6 +187,8 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
         # the log window open at the checkpoint, summed over the ranks: rank 0 carries it on
         sums, tokens = (state["window"]["sums"] if rank == 0 else {}), state["window"]["tokens"]
         log.info("resumed from %s (step %d of %d)", resumed_from, step, total_steps)
+    elif job.init_from is not None:  # a warm start begins at the draft's weights; a resume at its checkpoint's
+        load_parent_weights(model, job.init_from)
     if stream is not None and rank == 0:
         stream.release(step)  # where this attempt starts (earlier than the last one's after a fall-back)
     metrics_log = TrainingLog(out_dir, step, s.tensorboard) if rank == 0 else None
@@ -289,6 +305,7 @@ def train_worker(job: TrainJob, callback: ProgressCallback | None = None) -> Tra
         trained_tokens=trained_tokens,
         steady_tokens_per_s=round(steady_tokens / steady_s, 1) if steady_s else None,
         wall_s=round(time.monotonic() - t0, 2), target_check=target_check.to_dict(),
+        init_from=job.init_from, new_samples=new_samples, replayed_samples=replayed_samples,
     )
     replayed = best["metrics"].get("replayed_acceptance_length")
     log.info("draft exported to %s: best step %d, simulated acceptance length %.3f (k=%d), replayed %s; %s "

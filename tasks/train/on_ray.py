@@ -47,7 +47,8 @@ def run_training_on_ray(job: TrainJob, manifest_fp: str, vocab_fp: str, *, nodes
     check_inputs(job, read_manifest(job.manifest))  # a mismatch fails before any worker starts
     out_dir = Path(job.out_dir).resolve()
     with folder_lock(out_dir, "training"):  # one training per folder, as locally: held while the workers run
-        fingerprint = train_fingerprint(manifest_fp, vocab_fp, job.settings)  # the configured run, whatever `nodes`
+        # the configured run, whatever `nodes`
+        fingerprint = train_fingerprint(manifest_fp, vocab_fp, job.settings, job.init_from, job.parent_manifest)
         per_process = replace(job, out_dir=str(out_dir),
                               settings={**job.settings, "grad_accum_steps": s.grad_accum_steps // nodes})
         job_file, result_file, progress_file = out_dir / "job.json", out_dir / "result.json", out_dir / "progress.jsonl"

@@ -1,7 +1,8 @@
 """Stage 4, train: an EAGLE-3 draft with speculators' model, losses and checkpoint format.
 
-    check the inputs belong together (data.py) -> one training process, or `nproc` under torchrun
-    (loop.py: the loop) -> the best checkpoint exported as `draft/`, what vLLM loads
+    check the inputs belong together (data.py; a warm start's draft too: warm_start.py) -> one training
+    process, or `nproc` under torchrun (loop.py: the loop) -> the best checkpoint exported as `draft/`,
+    what vLLM loads
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def run_training(job: TrainJob, manifest_fp: str, vocab_fp: str, *, in_process: 
                   producing(manifest, local_producers(shard_lock), stream_callback) as control):
                 result = _run_training(job, in_process, callback, lock_fd)
             result = replace(result, stream=stream_report(control.reports(), manifest))  # the producers have ended
-    return TrainResult(**{**asdict(result), "fingerprint": train_fingerprint(manifest_fp, vocab_fp, job.settings)})
+    fingerprint = train_fingerprint(manifest_fp, vocab_fp, job.settings, job.init_from, job.parent_manifest)
+    return TrainResult(**{**asdict(result), "fingerprint": fingerprint})
 
 
 def stream_report(reports: list[dict], manifest: dict) -> dict:

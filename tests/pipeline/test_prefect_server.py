@@ -16,6 +16,7 @@ from prefect_stack import PrefectStack, chromium
 
 from tasks.common.folder_lock import held_by_live_process
 from tasks.common.plots import TRAIN, VAL
+from tasks.prepare.chat_data import Dropped, read_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGES = ["prepare", "extract", "vocab", "train", "validate"]
@@ -164,3 +165,41 @@ def test_a_cancel_from_the_ui_ends_every_process_of_the_run_and_marks_it_cancell
     # aborted by an interrupt signal"), those before it as they ended
     assert states(stack, flow_run) == {"prepare": "Completed", "extract": "Completed", "vocab": "Completed",
                                        "train": "Crashed"}
+
+
+def test_the_retrain_deployment_does_only_the_new_work_and_promotes(stack, sharegpt, tmp_path):
+    """Two runs of `eagle3-retrain` through the server and the process worker: the first trains a draft
+    and makes it version 1; a file dropped into the incoming folder, the second extracts only its
+    conversations, warm-starts from version 1 with a replay share of the old samples, and promotes version 2."""
+    out, incoming = tmp_path / "out", tmp_path / "incoming"
+    incoming.mkdir()
+    rows = [r.data for r in read_rows([sharegpt], 40) if not isinstance(r.data, Dropped)]
+    (tmp_path / "base.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:12]))
+    config = small_config(out, tmp_path / "base.jsonl", data={"sources": [str(tmp_path / "base.jsonl"), str(incoming)]},
+                          train={"init_from": "previous", "epochs": 2}, retrain={"when": "always"},
+                          registry={"promote": True}).model_dump(mode="json")
+
+    first, output = deployment_run(stack, "eagle3-retrain", config)
+    assert first and wait_final(stack, first) == "Completed", output
+    assert states(stack, first) == {**{s: "Completed" for s in STAGES}, "promote": "Completed"}
+    registry = out / "registry" / "test"
+    assert (registry / "current").resolve().name == "1"
+
+    (incoming / "new.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[12:16]))
+    second, output = deployment_run(stack, "eagle3-retrain", config)
+    assert second and wait_final(stack, second) == "Completed", output
+    assert states(stack, second) == {**{s: "Completed" for s in STAGES}, "promote": "Completed"}
+    record = json.loads(max((out / "runs").glob("*.json"), key=lambda p: p.stat().st_mtime).read_text())
+    assert record["flow_run_id"] == second
+    extracted, trained = record["results"]["extracted"], record["results"]["trained"]
+    first_record = json.loads(min((out / "runs").glob("*.json"), key=lambda p: p.stat().st_mtime).read_text())
+    old_samples = first_record["results"]["extracted"]["samples_extracted"]
+    # only the new conversations were extracted; every earlier sample was read from the first run's shards
+    assert extracted["samples_reused"] == old_samples and 0 < extracted["samples_extracted"] <= 4
+    # warm-started from version 1, on the new samples and a replay share of the old ones: fewer steps
+    assert trained["init_from"] == str((registry / "versions" / "1" / "draft").resolve())
+    assert 0 < trained["new_samples"] <= extracted["samples_extracted"] and trained["replayed_samples"] < old_samples
+    assert trained["steps"] < first_record["results"]["trained"]["steps"]
+    assert (registry / "current").resolve().name == "2"
+    lineage = json.loads((registry / "versions" / "2" / "lineage.json").read_text())
+    assert lineage["parent"] == "version 1"
