@@ -54,7 +54,7 @@ from tasks.extract.plan import check_disk, make_plan
 from tasks.extract.shards import read_manifest
 from tasks.extract.stage import ExtractJob, ExtractResult, load_inputs, run_extraction
 from tasks.extract.stream import producing
-from tasks.prepare.regenerate import RegenerateJob, write_regenerated
+from tasks.prepare.regenerate import RegenerateJob, plan_regeneration, write_regenerated
 from tasks.prepare.synthesize import SynthesizeJob, write_synthesized
 from tasks.train.job import TrainJob, TrainResult
 from tasks.train.on_ray import run_training_on_ray
@@ -308,13 +308,17 @@ def merge_regenerated_task(job: RegenerateJob, world_size: int) -> Path:
 
 def regenerate_on_ray(cluster: ClusterSettings, job: RegenerateJob, *,
                       callback: ProgressCallback | None = None) -> Path:
-    """Answer regeneration on the cluster: one `rank_task` per rank (chunk c by rank c % N, each on
+    """Answer regeneration on the cluster: the run planned here (its conversations new to the answer
+    store, in chunks), then one `rank_task` per rank (chunk c by rank c % N, each on
     regenerate.tensor_parallel_size accelerators: one vLLM engine, or one transformers model spread
     over them), then one task writes the conversations file, the same file a local run writes."""
     job = replace(job, out_dir=str(Path(job.out_dir).resolve()),
-                  sources=[str(Path(p).resolve()) if Path(p).exists() else p for p in job.sources])
+                  store_dir=str(Path(job.store_dir).resolve()) if job.store_dir else "",
+                  sources=[str(Path(p).resolve()) if isinstance(p, str) and Path(p).exists() else p
+                           for p in job.sources])
     accelerators = job.regenerate_settings.tensor_parallel_size or 1
-    with folder_lock(job.out_dir, "regeneration"):
+    with folder_lock(job.store, "regeneration"):
+        plan_regeneration(job)  # before any rank starts: every rank reads the same chunks
         with ray_runner(cluster) as runner:
             ranks = rank_count(cluster, accelerators)
             run_ranks(runner, cluster, "regenerate", "tasks.prepare.regenerate", job, ranks, accelerators, callback)

@@ -19,6 +19,8 @@ worker's exception type and message.
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
 from pathlib import Path
 
 from prefect import task
@@ -100,6 +102,11 @@ def prepare_task(config: PipelineConfig) -> PreparedData:
     result = prepare(config.verifier.path, sources, config.output_dir, max_seq_len=config.data.max_seq_len,
                      max_rows=max_rows, supervise_end_of_turn=config.data.supervise_end_of_turn,
                      trust_remote_code=config.verifier.trust_remote_code, workers=config.data.prepare_workers)
+    if regeneration is not None:  # what its rows came from, and how much of it the verifier answered in this run
+        regenerated = json.loads((Path(regeneration.out_dir) / "report.json").read_text())
+        result = replace(result, made_from=(regeneration.out_dir, str(regeneration.store),
+                                            *([str(synthesized.parent)] if synthesized else [])),
+                         conversations_answered=regenerated["answered_now"], conversations_reused=regenerated["reused"])
     report = read_report(result.path)
     create_table_artifact(
         table=table({k: v for k, v in report.items() if k != "dropped_examples"}), key="prepare-report",

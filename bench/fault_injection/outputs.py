@@ -130,7 +130,7 @@ def redone(stage: str, before: dict, out: Path) -> int:
 def recorded_conversations(out: Path) -> list[str]:
     """The ids of the conversations regeneration recorded (complete lines of its part files,
     tasks/prepare/regenerate.py)."""
-    return [json.loads(line)["id"] for part in sorted((out / "parts").glob("*.jsonl"))
+    return [json.loads(line)["key"] for part in sorted((out / "parts").glob("*.jsonl"))
             for line in part.read_bytes().split(b"\n")[:-1]]
 
 

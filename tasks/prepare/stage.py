@@ -26,7 +26,7 @@ from pathlib import Path
 
 from tasks.common.errors import PermanentError
 from tasks.common.verifier import VerifierError, check_tokenizer_files, tokenizer_fingerprint
-from tasks.prepare.chat_data import Dropped, read_rows, source_files
+from tasks.prepare.chat_data import Dropped, Source, hash_source, read_rows
 from tasks.prepare.dataset import PreparedData
 from tasks.prepare.samples import Sample, default_workers, tokenized_rows
 
@@ -109,19 +109,14 @@ def end_of_turn_ids(verifier_path: str, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-def sources_fingerprint(sources: list[str]) -> str:
+def sources_fingerprint(sources: list[Source]) -> str:
     h = hashlib.sha256()
-    for path in (f for source in sources for f in source_files(source)):
-        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-        for f in files:
-            h.update(str(f.name).encode() + b"\0")
-            with f.open("rb") as fh:
-                for block in iter(lambda: fh.read(1 << 22), b""):
-                    h.update(block)
+    for source in sources:
+        hash_source(h, source)
     return h.hexdigest()
 
 
-def prepare_fingerprint(verifier_path: str, sources: list[str], max_rows: int | None, max_seq_len: int,
+def prepare_fingerprint(verifier_path: str, sources: list[Source], max_rows: int | None, max_seq_len: int,
                         regenerate: dict | None = None, supervise_end_of_turn: bool = False) -> str:
     parts = {
         "format": PREPARE_FORMAT,
@@ -135,7 +130,7 @@ def prepare_fingerprint(verifier_path: str, sources: list[str], max_rows: int | 
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
-def prepare(verifier_path: str, sources: list[str], output_dir: str | Path, *, max_seq_len: int,
+def prepare(verifier_path: str, sources: list[Source], output_dir: str | Path, *, max_seq_len: int,
             max_rows: int | None = None, supervise_end_of_turn: bool = False,
             trust_remote_code: bool = False, workers: int = 0) -> PreparedData:
     """Tokenize and mask the chat data; reuses an existing result made from the same inputs.

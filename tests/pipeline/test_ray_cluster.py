@@ -192,10 +192,12 @@ def test_regeneration_by_two_ranks_writes_the_conversations_one_local_run_writes
     assert states["regenerate rank 0 of 2"] == states["regenerate rank 1 of 2"] == ("Completed", 1)
     job = regeneration_job(resolve_config(config))
     out = Path(job.out_dir)
-    assert len(list((out / "parts").glob("*.jsonl"))) == 2  # written by two processes: chunks 0, 2 and chunk 1
+    # the answers are stored by content, written by two processes: chunks 0, 2 and chunk 1
+    assert len(list((job.store / "parts").glob("*.jsonl"))) == 2
     report = json.loads((out / "report.json").read_text())
     assert [r["conversations"] for r in report["ranks"]] == [4, 2] and report["backend"] == "transformers"
-    local = regenerate(replace(job, out_dir=str(root / "regen-local")), in_process=True)
+    # a local run with an answer store of its own (an empty store_dir: its out_dir), answering everything again
+    local = regenerate(replace(job, out_dir=str(root / "regen-local"), store_dir=""), in_process=True)
     assert (out / "conversations.jsonl").read_bytes() == local.read_bytes()
     assert read_report(prepared.path)["rows_read"] == report["regenerated"] > 0  # prepare read them
     # the same prepare on the local executor, in other chunks and batches: a cache hit

@@ -15,19 +15,27 @@ from tasks.prepare.regenerate import RegenerateJob, regenerate
 from tasks.prepare.stage import prepare
 
 
-def test_regeneration_chunks_go_to_ranks_the_same_way_for_any_rank_count_and_retry():
-    from tasks.prepare.regenerate import chunks_of_rank
+def test_regeneration_plans_chunks_file_by_file_and_ranks_take_them_the_same_way_for_any_rank_count():
+    from tasks.prepare.answer_store import chunks_of_rank, plan_chunks
 
-    rows = [(f"c{i}", []) for i in range(11)]
-    alone = chunks_of_rank(rows, {}, 3, 0, 1)
-    by_rank = [chunks_of_rank(rows, {}, 3, r, 3) for r in range(3)]
-    assert sorted(map(tuple, sum(by_rank, []))) == sorted(map(tuple, alone))  # the same chunks, split by rank
-    assert [[c[0][0] for c in chunks] for chunks in by_rank] == [["c0", "c9"], ["c3"], ["c6"]]
-    # rank 0 retried after its first chunk was written, no other rank's; rank 1's chunk a kill left
-    # part-recorded is redone whole (the same batches as an uninterrupted run)
-    done = {"c0": {}, "c1": {}, "c2": {}, "c3": {}}
-    assert chunks_of_rank(rows, done, 3, 0, 3) == [rows[9:]]
-    assert chunks_of_rank(rows, done, 3, 1, 3) == [rows[3:6]]
+    # (row id, content key): file a's 7 conversations, then file b's 4, one of them a copy of a's c2 and
+    # one repeated within b; the store already holds c1
+    rows = [(f"a.jsonl:{i}", f"c{i}") for i in range(7)] + [
+        ("b.jsonl:0", "d0"), ("b.jsonl:1", "c2"), ("b.jsonl:2", "d1"), ("b.jsonl:3", "d0")]
+    chunks = plan_chunks(rows, {"c1"}, 3)
+    # no chunk spans the two files; what the store holds or an earlier row took is planned nowhere
+    assert chunks == [["c0", "c2", "c3"], ["c4", "c5", "c6"], ["d0", "d1"]]
+    # file b's chunks are the same whether file a was answered before or in the same run
+    assert plan_chunks(rows, {f"c{i}" for i in range(7)}, 3) == [["d0", "d1"]]
+
+    by_rank = [chunks_of_rank(chunks, {}, r, 2) for r in range(2)]
+    assert by_rank == [[chunks[0], chunks[2]], [chunks[1]]]  # chunk c to rank c % 2
+    assert chunks_of_rank(chunks, {}, 0, 1) == chunks
+    # rank 0 retried after its first chunk was recorded; rank 1's chunk a kill left part-recorded is
+    # redone whole (the same batches as an uninterrupted run)
+    answered = {"c0": {}, "c2": {}, "c3": {}, "c4": {}}
+    assert chunks_of_rank(chunks, answered, 0, 2) == [chunks[2]]
+    assert chunks_of_rank(chunks, answered, 1, 2) == [chunks[1]]
 
 
 def test_regeneration_generates_on_the_gpus_extraction_uses_unless_told(smollm2, sharegpt, tmp_path):
