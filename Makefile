@@ -9,7 +9,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_CPU := torch==2.13.0+cpu
 BIN := $(VENV)/bin
 
-.PHONY: install demo test
+.PHONY: install demo test test-fast
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -38,3 +38,7 @@ test: install
 	# the Prefect UI test screenshots the flow run page in Debian's headless Chromium
 	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium)
 	$(BIN)/pytest
+
+# while working: everything but the slowest system tests (pyproject.toml's `system` marker) and the UI screenshot
+test-fast: install
+	$(BIN)/pytest -m "not system and not browser"

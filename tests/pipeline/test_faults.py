@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "faults.py"
+pytestmark = pytest.mark.system  # random kill trials: `make test` runs them, `make test-fast` does not
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,7 @@ from tasks.train.job import TrainJob
 from tasks.train.stage import run_training
 from tasks.train.tracking import read_metrics
 
+pytestmark = pytest.mark.system  # a 2-node local Ray cluster: `make test` runs it, `make test-fast` does not
 # Every node of the local cluster on the loopback address (by default Ray advertises the machine's
 # first interface): read by Ray when it is imported, here and in the processes its nodes start.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"

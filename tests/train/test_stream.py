@@ -91,6 +91,7 @@ class DiskWatch(threading.Thread):
             self.high_water = max(self.high_water, size)
 
 
+@pytest.mark.system  # ten kills: `make test` runs it, `make test-fast` does not
 def test_streamed_training_killed_ten_times_ends_with_the_offline_draft_within_its_window(inputs, smollm2, tmp_path):
     """Ten kills at seeded random times while the stage is at work (training begun, producers producing),
     each of the producer processes alone (started again alone while training waits) or of the whole
