@@ -29,9 +29,11 @@ class DiskWriteError(PermanentError, OSError):
     """A write failed (a full disk, a quota, an I/O error); the message names the folder and its free space."""
 
 
-def write_error(what: str, folder: Path, e: OSError) -> DiskWriteError:
+def write_error(what: str, folder: Path, e: OSError, needed: str = "") -> DiskWriteError:
+    """`needed`: what the write needs, where the writer knows (e.g. "each checkpoint needs 176 MB ...")."""
     free = shutil.disk_usage(folder).free / 1e6 if folder.exists() else float("nan")
-    return DiskWriteError(f"{what} failed: {e.strerror or e} ({free:,.0f} MB free on that disk)")
+    return DiskWriteError(f"{what} failed: {e.strerror or e} ({free:,.0f} MB free on that disk)"
+                          + (f"; {needed}" if needed else ""))
 
 
 class Journal:

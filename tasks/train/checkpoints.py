@@ -59,10 +59,10 @@ def quiet_save_pretrained(model, folder: Path) -> None:
 
 
 @contextmanager
-def writing(what: Path, tmp: Path):
+def writing(what: Path, tmp: Path, needed: str = ""):
     """A failed write (a full disk, a quota, an I/O error; safetensors reports its own as
-    SafetensorError) as a DiskWriteError naming `what` and the disk's free space; the temporary
-    folder removed, so that the space it held is free again."""
+    SafetensorError) as a DiskWriteError naming `what`, the disk's free space and what is `needed`;
+    the temporary folder removed, so that the space it held is free again."""
     from safetensors import SafetensorError
 
     try:
@@ -71,14 +71,26 @@ def writing(what: Path, tmp: Path):
         if isinstance(e, RuntimeError) and "file write failed" not in str(e):  # torch.save's own wording
             raise
         shutil.rmtree(tmp, ignore_errors=True)
-        raise write_error(f"writing {what}", what.parent, e if isinstance(e, OSError) else OSError(str(e))) from e
+        raise write_error(f"writing {what}", what.parent, e if isinstance(e, OSError) else OSError(str(e)),
+                          needed) from e
+
+
+def saved_bytes(model, optimizers=()) -> int:
+    """What `save_pretrained` writes of the model (speculators leaves the verifier's norm and head out),
+    and the optimizers' state."""
+    ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    tensors = [t for k, t in model.state_dict().items() if k not in ignored]
+    tensors += [t for o in optimizers for state in o.state.values() for t in state.values() if torch.is_tensor(t)]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def save_checkpoint(out_dir: Path, model, optimizers, schedulers, state: dict, keep: int, best_step: int) -> Path:
     final = out_dir / "checkpoints" / f"step-{state['step']:08d}"
     tmp = final.with_name(f".tmp-{final.name}")
     shutil.rmtree(tmp, ignore_errors=True)
-    with writing(final, tmp):
+    needed = (f"each checkpoint needs {saved_bytes(model, optimizers) / 1e6:,.0f} MB, and training holds up to "
+              f"{keep + 2} at once (train.keep_checkpoints {keep} recent ones, the best, and the one being written)")
+    with writing(final, tmp, needed):
         tmp.mkdir(parents=True)
         quiet_save_pretrained(model, tmp)
         torch.save({"optimizers": [o.state_dict() for o in optimizers],
@@ -170,8 +182,9 @@ def export_draft(model, checkpoint: Path, out_dir: Path) -> Path:
     draft.load_state_dict(load_weights(checkpoint / "model.safetensors"), strict=False)
     tmp = out_dir / ".tmp-draft"
     shutil.rmtree(tmp, ignore_errors=True)
-    with writing(out_dir / "draft", tmp):
-        quiet_save_pretrained(draft.to(torch.bfloat16), tmp)
+    draft = draft.to(torch.bfloat16)
+    with writing(out_dir / "draft", tmp, f"the bf16 draft needs {saved_bytes(draft) / 1e6:,.0f} MB"):
+        quiet_save_pretrained(draft, tmp)
         return seal(tmp, out_dir / "draft", "CHECKSUMS.json", {})
 
 

@@ -104,3 +104,49 @@ def test_a_verifier_vllm_cannot_serve_is_refused_or_warned_before_any_model_load
     assert "live validation will be skipped (validation.live: auto)" in check_live_validation(wanted)
     served = PipelineConfig.model_validate({**config, "validation": {"live": "required"}})
     assert check_live_validation(served) is None  # SmolLM2: LlamaForCausalLM
+
+
+def test_the_disk_training_needs_is_known_before_any_work_and_a_disk_too_small_is_refused(setup, smollm2, sharegpt,
+                                                                                        capsys):
+    """The need estimated from config.json alone, against the bytes of a real checkpoint and draft (one step
+    of real training); the refusal through the check with a free-space figure (a real disk that small would
+    take a mount), and through the command, whose real disk cannot hold a million checkpoints."""
+    from tasks.common.config import PipelineConfig
+    from tasks.common.progress import format_bytes
+    from tasks.extract.stage import ExtractJob, run_extraction
+    from tasks.preflight import PreflightError, check_training_disk, training_disk
+    from tasks.prepare.stage import prepare
+    from tasks.train.checkpoints import checkpoint_dirs
+    from tasks.train.job import TrainJob
+    from tasks.train.stage import run_training
+    from tasks.vocab import build_vocab
+
+    tmp_path, base = setup
+    config = PipelineConfig.model_validate({**base, "vocab": {"draft_vocab_size": 512},
+                                            "train": {"total_seq_len": 256, "max_steps": 1, "val_fraction": 0}})
+    need = training_disk(config)
+    code, err = run_cli(tmp_path, base, capsys, "train.keep_checkpoints=1000000")
+    assert code == 2 and len(err) == 1 and "training needs" in err[0] and "1000000 recent ones" in err[0], err
+    assert not Path(base["output_dir"]).exists()  # refused before any work
+
+    prepared = prepare(smollm2, [sharegpt], tmp_path, max_seq_len=64, max_rows=6)
+    extraction = run_extraction(ExtractJob(prepared.path, prepared.fingerprint, smollm2, str(tmp_path / "hs"),
+                                           settings={"batch_tokens": 1024}), in_process=True)
+    vocab = build_vocab(prepared.path, prepared.fingerprint, smollm2, tmp_path, draft_vocab_size=512)
+    job = TrainJob(extraction.manifest, prepared.path, vocab.path, smollm2, str(tmp_path / "train"),
+                   extraction.layers[:3], settings=config.train.model_dump())
+    trained = run_training(job, extraction.fingerprint, vocab.fingerprint, in_process=True)
+
+    def folder_bytes(folder: Path) -> int:
+        return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+
+    assert need.checkpoint_bytes == pytest.approx(folder_bytes(checkpoint_dirs(tmp_path / "train")[-1]), rel=0.1)
+    assert need.draft_bytes == pytest.approx(folder_bytes(Path(trained.draft_path)), rel=0.1)
+    assert need.needed_bytes == (config.train.keep_checkpoints + 2) * need.checkpoint_bytes
+
+    assert check_training_disk(config, free_bytes=need.needed_bytes) == need
+    with pytest.raises(PreflightError) as refused:
+        check_training_disk(config, free_bytes=need.needed_bytes - 1)
+    assert f"training needs {format_bytes(need.needed_bytes)}: 4 checkpoints of " \
+           f"{format_bytes(need.checkpoint_bytes)}" in str(refused.value)
+    assert f"{format_bytes(need.needed_bytes - 1)} is free on that disk" in str(refused.value)
