@@ -228,7 +228,7 @@ def extract_on_ray(cluster: ClusterSettings, job: ExtractJob, *, on_plan=None,
     if on_plan is not None:
         on_plan(plan)
     check_disk(plan, out_dir, s.reserve_disk_gb)
-    pending_shards, pending_tokens = len(plan.pending), plan.pending_tokens
+    pending_shards, pending_tokens, work = len(plan.pending), plan.pending_tokens, plan.work_counts()
     last: list[ProgressEvent] = []
 
     def report(event: ProgressEvent) -> None:
@@ -250,7 +250,7 @@ def extract_on_ray(cluster: ClusterSettings, job: ExtractJob, *, on_plan=None,
     steady = last[0].rate if last else None
     return replace(verified, shards_extracted=pending_shards, verifier_loaded=pending_tokens > 0,
                    wall_s=round(time.monotonic() - t0, 2), steady_tokens_per_s=round(steady, 1) if steady else None,
-                   wall_tokens_per_s=round(pending_tokens / extract_s, 1) if pending_tokens else None)
+                   wall_tokens_per_s=round(pending_tokens / extract_s, 1) if pending_tokens else None, **work)
 
 
 # ---------------------------------------------------------------------------- training

@@ -28,6 +28,7 @@ from tasks.extract.job import ExtractResult
 from tasks.prepare.dataset import PreparedData
 from tasks.registry.gate import gate
 from tasks.registry.layout import Version, current, versions_dir
+from tasks.registry.parent import warm_start_source
 from tasks.registry.picture import draw_acceptance
 from tasks.registry.promotion import promote
 from tasks.registry.register import register
@@ -51,27 +52,9 @@ def current_draft(config: PipelineConfig) -> Version | None:
 
 
 def warm_start(config: PipelineConfig, parent: Version | None) -> tuple[str | None, str | None]:
-    """(the draft folder training starts from, the extraction manifest that draft trained on) for
-    `train.init_from`: None, 'previous' (the registry's current version, or a new draft before the
-    first), or a draft folder (a registry version's `draft/` brings its lineage, so its data is known)."""
-    init = config.train.init_from
-    if init is None:
-        return None, None
-    if init == "previous":
-        if parent is None:
-            log.info("train.init_from: previous, and %s holds no current draft yet: a new draft", config.registry_path)
-            return None, None
-        folder, lineage = parent.draft, parent.lineage()
-    else:
-        folder = Path(init).resolve()
-        lineage_file = folder.parent / "lineage.json"
-        lineage = json.loads(lineage_file.read_text()) if lineage_file.is_file() else {}
-    manifest = lineage.get("manifest")
-    if manifest and not Path(manifest).is_file():
-        log.warning("warm start from %s: the manifest of the data it trained on (%s) is gone; every sample counts "
-                    "as new (no replay share)", folder, manifest)
-        manifest = None
-    return str(folder), manifest
+    """(the draft folder training starts from, the manifest that draft trained on) for `train.init_from`;
+    `parent`: the registry's current version as the flow read it at its start."""
+    return warm_start_source(config.train.init_from, config.registry_path, parent)
 
 
 # ---------------------------------------------------------------------------------- drift

@@ -23,8 +23,14 @@ from tasks.common.hub import hub_snapshot
 from tasks.common.progress import format_bytes
 from tasks.common.verifier import TOKENIZER_FILES, check_tokenizer_files, inspect_verifier, read_config, text_config
 from tasks.common.vllm_support import EXTRACTION_ADVICE, eagle3_support
-from tasks.prepare.chat_data import (DATA_SUFFIXES, DataSourceError, data_source, dataset_columns,
-                                     is_dataset_folder, source_files)
+from tasks.prepare.chat_data import (
+    DATA_SUFFIXES,
+    DataSourceError,
+    data_source,
+    dataset_columns,
+    is_dataset_folder,
+    source_files,
+)
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +153,7 @@ def check_before_run(config) -> None:
         raise PreflightError(f"validation.baseline_draft {v.baseline_draft} is not a draft folder (no config.json)")
     check_writable(Path(config.output_dir).resolve(), "output_dir")
     check_training_disk(config)
+    check_warm_start_draft(config)
     # top-level names only: finding `ray.train` would import Ray, before a Ray of the run's own is
     # told to stay on the loopback interface (flows/ray_stages.py, read when Ray is imported)
     if config.cluster.executor == "ray" and not all(importlib.util.find_spec(m) for m in ("ray", "prefect_ray")):
@@ -154,6 +161,20 @@ def check_before_run(config) -> None:
                              "(make install does)")
     if os.environ.get("PREFECT_HOME"):
         check_writable(Path(os.environ["PREFECT_HOME"]), "PREFECT_HOME")
+
+
+def check_warm_start_draft(config) -> None:
+    """`train.init_from`: a draft of another verifier, hidden size, vocabulary, layers or shape is refused
+    before any work (tasks/train/warm_start.py), as is a folder that is no draft."""
+    from tasks.registry.parent import warm_start_source
+    from tasks.train.warm_start import check_warm_start
+
+    draft, manifest = warm_start_source(config.train.init_from, config.registry_path)
+    if draft is None:
+        return
+    verifier = inspect_verifier(config.verifier.path)
+    check_warm_start(draft, config.verifier.path, verifier.aux_layers(config.extract.aux_layers), verifier.hidden_size,
+                     verifier.vocab_size, config.train, manifest)
 
 
 # ---------------------------------------------------------------------------------- training's disk

@@ -16,7 +16,7 @@ import torch
 from tasks.common.progress import ProgressCallback
 from tasks.common.verifier import VerifierInfo, inspect_verifier
 from tasks.common.workers import run_processes, worker_command, write_job_file
-from tasks.extract.plan import ExtractError, ExtractionPlan
+from tasks.extract.plan import ExtractError, ExtractionPlan, ShardUse
 from tasks.extract.shards import SHARD_FORMAT, STORED_DTYPES, ShardSpec
 
 
@@ -25,9 +25,12 @@ def manifest_path(out_dir: Path, extraction_fp: str, prepared_fp: str) -> Path:
 
 
 def manifest_content(plan: ExtractionPlan, prepared_fp: str, lengths,
-                     checksum: Callable[[ShardSpec], str | None]) -> dict:
-    """A manifest: the plan's shards, each with its fingerprint, `checksum(spec)` (None for a streamed
-    shard not written yet: checked against its own when read), rows, sample ids and lengths."""
+                     checksum: Callable[[ShardUse], str | None]) -> dict:
+    """A manifest: the shards the plan reads (its own and those of earlier extractions), each with its
+    fingerprint, `checksum(use)` (None for a streamed shard not written yet: checked against its own
+    when read), its whole token count, and the samples read from it: rows, sample ids, lengths, content
+    keys and, where the run reads only some of the shard's samples or in another order, their positions."""
+    specs = {s.name: s for s in plan.shards}
     return {
         "format": SHARD_FORMAT,
         "extraction_fingerprint": plan.fingerprint,
@@ -39,12 +42,21 @@ def manifest_content(plan: ExtractionPlan, prepared_fp: str, lengths,
         "dtype": STORED_DTYPES[plan.storage_dtype],
         "samples": plan.samples,
         "tokens": plan.tokens,
-        "shards": [
-            {"name": s.name, "fingerprint": s.fingerprint, "checksum": checksum(s), "tokens": s.tokens,
-             "rows": list(s.rows), "sample_ids": list(s.sample_ids), "lengths": [lengths[r] for r in s.rows]}
-            for s in plan.shards
-        ],
+        "shards": [shard_entry(use, plan, specs.get(use.name), lengths, checksum(use)) for use in plan.uses()],
     }
+
+
+def shard_entry(use: ShardUse, plan: ExtractionPlan, spec: ShardSpec | None, lengths, checksum: str | None) -> dict:
+    if plan.placement is None:  # a plan of its own whole shards only (a benchmark's): their ids and keys
+        sample_ids, keys = list(spec.sample_ids), list(spec.sample_keys)
+    else:
+        sample_ids, keys = [plan.sample_ids[r] for r in use.rows], [plan.sample_keys[r] for r in use.rows]
+    entry = {"name": use.name, "fingerprint": use.fingerprint, "checksum": checksum, "tokens": use.tokens,
+             "rows": list(use.rows), "sample_ids": sample_ids, "lengths": [lengths[r] for r in use.rows],
+             "sample_keys": keys}
+    if not use.whole:
+        entry["positions"] = list(use.positions)
+    return entry
 
 
 @dataclass(frozen=True)
@@ -80,6 +92,12 @@ class ExtractResult:
     steady_tokens_per_s: float | None  # forward passes and capture, first batch (warm-up) and last write excluded
     wall_tokens_per_s: float | None  # tokens extracted / the extraction's wall time (start-up and load included)
     streamed: bool = False  # extract.mode 'stream': the manifest lists shards the training stage has produced
+    # what was new and what was reused: samples and tokens read from shards on disk before this run
+    # (earlier extractions, or this one's before a resume), and those extracted in this run
+    samples_reused: int = 0
+    tokens_reused: int = 0
+    samples_extracted: int = 0
+    tokens_extracted: int = 0
 
 
 def load_inputs(job: ExtractJob):

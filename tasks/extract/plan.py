@@ -1,13 +1,15 @@
-"""The extraction plan, made before any model loads: which shards the prepared rows cut into, their
-fingerprints, which are already on disk and valid, the bytes and time it will take, and whether
-the disk and host memory can hold it.
+"""The extraction plan, made before any model loads: which samples are already extracted and
+where, which new shards the others cut into, their fingerprints, the bytes and time it will take,
+and whether the disk and host memory can hold it.
 
-- Shards are cut from the prepared rows in order, so appending data adds shards and leaves the
-  existing ones valid.
+- A sample already extracted with the same settings (same tokens, verifier, layers, compute and
+  storage dtypes) is read from the shard that holds it, wherever it now falls in source order
+  (tasks/extract/content_index.py); only the others are extracted, into new shards cut from them in
+  source order, `shard_tokens` each. A run's manifest may so list shards of several extractions.
 - A shard's fingerprint covers the verifier, the layers, the compute and storage dtypes (bf16 or
-  fp8, tasks/extract/storage_dtype.py) and each sample's tokens: a
-  shard made from other inputs is never taken for this one. Existing shards are checked
-  (fingerprint, checksum) and skipped; damaged ones are redone.
+  fp8, tasks/extract/storage_dtype.py) and each sample's id and tokens: a shard made from other
+  inputs is never taken for this one. Existing shards are checked (fingerprint, checksum) and
+  skipped; damaged ones are redone.
 """
 
 from __future__ import annotations
@@ -23,15 +25,16 @@ from pathlib import Path
 
 import psutil
 import torch
-import xxhash
 
 from tasks.common.errors import PermanentError
 from tasks.common.progress import format_bytes, format_seconds
 from tasks.common.verifier import VerifierInfo, verifier_fingerprint
+from tasks.extract.content_index import place_by_content, plan_id, plan_shards
 from tasks.extract.shards import (
     SHARD_FORMAT,
     ShardError,
     ShardSpec,
+    StoredShard,
     journal_line,
     read_metadata,
     shard_journal,
@@ -39,7 +42,6 @@ from tasks.extract.shards import (
     verify_shard,
 )
 from tasks.extract.storage_dtype import STORAGE_DTYPES, bytes_per_token
-from tasks.prepare.dataset import token_rows
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,23 @@ class ExtractError(PermanentError, RuntimeError):
     """Extraction cannot start or its output failed verification."""
 
 
+@dataclass(frozen=True)
+class ShardUse:
+    """A shard a run reads, and which of its samples: this run's prepared `rows` at `positions` in the shard."""
+
+    name: str
+    fingerprint: str
+    tokens: int  # the shard's, all its samples'
+    samples: int  # the shard's
+    rows: tuple[int, ...]
+    positions: tuple[int, ...]
+
+    @property
+    def whole(self) -> bool:
+        """The run reads every sample of the shard, in the shard's order."""
+        return self.positions == tuple(range(self.samples))
+
+
 @dataclass
 class ExtractionPlan:
     fingerprint: str  # of the extraction settings; each shard adds its samples
@@ -65,9 +84,15 @@ class ExtractionPlan:
     hidden_size: int
     samples: int
     tokens: int
-    shards: list[ShardSpec]
-    done: list[str] = field(default_factory=list)  # names of valid shards already on disk
-    stale_bytes: int = 0  # shard files in the folder that belong to other inputs
+    shards: list[ShardSpec]  # planned: the new samples' shards (or, by name, older-format shards)
+    done: list[str] = field(default_factory=list)  # names of planned shards already on disk and valid
+    stale_bytes: int = 0  # shard files in the folder this plan does not read
+    reused: list[StoredShard] = field(default_factory=list)  # shards of earlier plans it reads samples from
+    # each prepared row's (shard name, position in that shard); None: the planned shards hold every row
+    placement: list[tuple[str, int]] | None = None
+    sample_ids: list[str] = field(default_factory=list)  # of the prepared rows (with `placement`)
+    sample_keys: list[str] = field(default_factory=list)
+    plan_id: str = ""  # recorded in its new shards (tasks/extract/content_index.py)
     free_bytes: int = 0
     est_seconds: float | None = None  # planned, before any model loads: the slower of FLOPs and the disk
     disk_bytes_per_s: float | None = None  # what the output folder's disk took in a short synced write
@@ -86,7 +111,7 @@ class ExtractionPlan:
     @property
     def host_buffer_bytes(self) -> int:
         """Host memory one worker's ShardWriter holds: its buffers, each the size of the largest shard."""
-        return WRITER_BUFFERS * max(s.tokens for s in self.shards) * self.bytes_per_token
+        return WRITER_BUFFERS * max((s.tokens for s in self.pending), default=0) * self.bytes_per_token
 
     @property
     def pending(self) -> list[ShardSpec]:
@@ -101,14 +126,45 @@ class ExtractionPlan:
     def bytes_to_write(self) -> int:
         return self.pending_tokens * self.bytes_per_token
 
+    @property
+    def samples_to_extract(self) -> int:
+        return sum(len(s.rows) for s in self.pending)
+
+    def work_counts(self) -> dict[str, int]:
+        """Samples and tokens already extracted (read from shards on disk before this run) and to extract
+        now, under ExtractResult's names."""
+        return {"samples_reused": self.samples - self.samples_to_extract,
+                "tokens_reused": self.tokens - self.pending_tokens,
+                "samples_extracted": self.samples_to_extract, "tokens_extracted": self.pending_tokens}
+
+    def uses(self) -> list[ShardUse]:
+        """The shards a run of this plan reads (planned and reused), in source order of their first row;
+        in each, the rows in the order the shard stores them."""
+        if self.placement is None:
+            return [ShardUse(s.name, s.fingerprint, s.tokens, len(s.rows), s.rows, tuple(range(len(s.rows))))
+                    for s in self.shards]
+        shards = {s.name: (s.fingerprint, s.tokens, len(s.rows)) for s in self.shards}
+        shards.update({s.name: (s.fingerprint, s.tokens, len(s.sample_keys)) for s in self.reused})
+        read: dict[str, list[tuple[int, int]]] = {}
+        for row, (name, position) in enumerate(self.placement):
+            read.setdefault(name, []).append((position, row))
+        uses = []
+        for name, pairs in sorted(read.items(), key=lambda item: min(row for _, row in item[1])):
+            pairs.sort()
+            uses.append(ShardUse(name, *shards[name], tuple(r for _, r in pairs), tuple(p for p, _ in pairs)))
+        return uses
+
     def summary(self) -> dict:
         return {
             "verifier": self.verifier,
             "layers": self.layers,
             "samples": self.samples,
             "tokens": self.tokens,
-            "shards": len(self.shards),
-            "shards_done": len(self.done),
+            "shards": len(self.shards) + len(self.reused),
+            "shards_done": len(self.shards) + len(self.reused) - len(self.pending),
+            "samples_reused": self.samples - self.samples_to_extract,
+            "tokens_reused": self.tokens - self.pending_tokens,
+            "samples_to_extract": self.samples_to_extract,
             "tokens_to_extract": self.pending_tokens,
             "storage_dtype": self.storage_dtype,
             "bytes_total_gb": round(self.bytes_total / 1e9, 3),
@@ -147,6 +203,8 @@ class ExtractionPlan:
         text = (
             f"extraction plan: {s['samples']:,} samples, {s['tokens']:,} tokens in {s['shards']} shards "
             f"({s['shards_done']} already done); layers {s['layers']} of {self.verifier}\n"
+            f"  {s['samples_reused']:,} samples ({s['tokens_reused']:,} tokens) already extracted, "
+            f"{s['samples_to_extract']:,} samples ({s['tokens_to_extract']:,} tokens) to extract\n"
             f"  disk ({self.storage_dtype}): {s['bytes_total_gb']} GB in all, {s['bytes_to_write_gb']} GB to write, "
             f"{s['free_disk_gb']} GB free" + (f", {s['stale_shards_gb']} GB of stale shards" if self.stale_bytes else "")
             + f"; host memory: {s['host_buffers_gb_per_worker']} GB of shard buffers per worker"
@@ -170,50 +228,42 @@ def extraction_fingerprint(verifier_fp: str, layers: list[int], compute_dtype: s
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
-def plan_shards(prepared, extraction_fp: str, shard_tokens: int) -> list[ShardSpec]:
-    """Consecutive prepared rows, cut every `shard_tokens` tokens; inside a shard the rows are
-    ordered longest first, the order in which they are batched and stored."""
-    shards: list[ShardSpec] = []
-    rows: list[int] = []
-    h = xxhash.xxh3_128()
-    tokens = 0
-
-    def close() -> None:
-        nonlocal rows, tokens, h
-        order = sorted(rows, key=lambda r: (-lengths[r], r))
-        shards.append(ShardSpec(len(shards), tuple(order), tuple(sample_ids[r] for r in order), tokens,
-                                hashlib.sha256(f"{extraction_fp}:{h.hexdigest()}".encode()).hexdigest()))
-        rows, tokens, h = [], 0, xxhash.xxh3_128()
-
-    lengths = prepared["seq_len"][:]  # lists: a `datasets` column indexed a row at a time is slow
-    sample_ids = prepared["sample_id"][:]
-    for r, ids in enumerate(token_rows(prepared)):
-        rows.append(r)
-        tokens += lengths[r]
-        h.update(sample_ids[r].encode() + b"\0")
-        h.update(ids.astype("int32").tobytes())
-        if tokens >= shard_tokens:
-            close()
-    if rows:
-        close()
-    return shards
-
-
 def make_plan(prepared, verifier: VerifierInfo, layers: list[int], out_dir: Path, *, compute_dtype: str,
-              shard_tokens: int, storage_dtype: str = "bf16", check_existing: bool = True,
+              shard_tokens: int, storage_dtype: str = "bf16", check_existing: bool = True, by_content: bool = True,
               estimate: bool = True, gpus: int = 1) -> ExtractionPlan:
-    """The plan for `out_dir`. `estimate`: time it (a matmul timing, and a disk probe for plans
-    over 1 GiB) for `gpus` GPUs computing (the disk is one, shared by them); the parent that reports
-    the plan does, the worker processes that only need its shards do not."""
+    """The plan for `out_dir`. With `check_existing` and `by_content`, samples that shards in the folder
+    already hold are read from them and only the others are planned (module docstring); with
+    `check_existing` alone, every sample is planned and a planned shard on disk is found by its name (a
+    streamed extraction's plan). `estimate`: time it (a matmul timing, and a disk probe for plans over
+    1 GiB) for `gpus` GPUs computing (the disk is one, shared by them); the parent that reports the
+    plan does, the worker processes that only need its shards do not."""
     verifier_fp = verifier_fingerprint(verifier.path)
     fp = extraction_fingerprint(verifier_fp, layers, compute_dtype, storage_dtype)
-    shards = plan_shards(prepared, fp, shard_tokens)
+    every = plan_shards(prepared, fp, shard_tokens)  # all rows: the plan of a folder with nothing to reuse
+    lengths, sample_ids = prepared["seq_len"][:], prepared["sample_id"][:]
+    keys = [""] * len(prepared)
+    for spec in every:
+        for r, key in zip(spec.rows, spec.sample_keys):
+            keys[r] = key
     plan = ExtractionPlan(fp, str(verifier.path), verifier_fp, layers, verifier.hidden_size, len(prepared),
-                          sum(s.tokens for s in shards), shards, storage_dtype=storage_dtype)
+                          sum(lengths), every, storage_dtype=storage_dtype, sample_ids=sample_ids, sample_keys=keys,
+                          plan_id=plan_id(fp, shard_tokens, sample_ids, keys, range(len(prepared))))
     out_dir.mkdir(parents=True, exist_ok=True)
     plan.free_bytes = shutil.disk_usage(out_dir).free
+    if check_existing and by_content:
+        placed = place_by_content(prepared, fp, shard_tokens, out_dir, every, sample_ids, keys)
+        plan.shards, plan.reused, plan.placement, plan.done, plan.plan_id = (
+            placed.shards, placed.reused, placed.placement, placed.done, placed.plan_id)
+    else:  # every row in the plan of all rows
+        plan.placement = [("", 0)] * len(prepared)
+        for spec in every:
+            for position, r in enumerate(spec.rows):
+                plan.placement[r] = (spec.name, position)
+        if check_existing:
+            plan.done = shards_on_disk(out_dir, plan.shards)
     if check_existing:
-        plan.done, plan.stale_bytes = existing_shards(out_dir, shards)
+        used = {use.name for use in plan.uses()}
+        plan.stale_bytes = sum(p.stat().st_size for p in out_dir.glob("shard-*.safetensors") if p.name not in used)
     if not estimate:
         return plan
     plan.est_seconds = estimate_seconds(verifier, plan.pending_tokens, compute_dtype, gpus)
@@ -244,13 +294,12 @@ def disk_write_rate(folder: Path) -> float | None:
         probe.unlink(missing_ok=True)
 
 
-def existing_shards(out_dir: Path, shards: list[ShardSpec]) -> tuple[list[str], int]:
-    """Names of planned shards on disk and valid, and the bytes of shard files of other inputs.
-    A shard unchanged since its journal line was verified when written; others are read in full,
-    and journaled again when they pass (a lost or damaged journal is rebuilt this way)."""
+def shards_on_disk(out_dir: Path, shards: list[ShardSpec]) -> list[str]:
+    """Names of planned shards on disk and valid. A shard unchanged since its journal line was verified
+    when written; others are read in full, and journaled again when they pass (a lost or damaged
+    journal is rebuilt this way); those that fail are deleted, to be redone."""
     journal = shard_journal(out_dir)
     entries = journal.entries()
-    planned = {s.name: s for s in shards}
     done = []
     for spec in shards:
         path = out_dir / spec.name
@@ -260,15 +309,15 @@ def existing_shards(out_dir: Path, shards: list[ShardSpec]) -> tuple[list[str], 
             done.append(spec.name)
             continue
         try:
-            verify_shard(path, spec)
+            verify_shard(path, spec.fingerprint)
         except ShardError as e:
             log.warning("redoing %s", e)
             path.unlink(missing_ok=True)
             continue
-        journal.append(journal_line(path, read_metadata(path)["checksum"], spec))
+        checksum = read_metadata(path)["checksum"]
+        journal.append(journal_line(path, checksum, spec.fingerprint, spec.tokens, len(spec.rows)))
         done.append(spec.name)
-    stale = sum(p.stat().st_size for p in out_dir.glob("shard-*.safetensors") if p.name not in planned)
-    return done, stale
+    return done
 
 
 def estimate_seconds(verifier: VerifierInfo, tokens: int, compute_dtype: str, gpus: int = 1) -> float | None:

@@ -7,9 +7,12 @@ A shard is one safetensors file holding many samples back to back:
 With `extract.storage_dtype: fp8_e4m3` the states are float8_e4m3fn with float32 scales per token
 and layer, `hidden_states_scale` [T_total, 4] (tasks/extract/storage_dtype.py); readers get bf16 either way.
 Its `__metadata__` carries the shard's fingerprint (everything that produced it: the extraction
-settings and the identity and tokens of each sample), its sample ids and an xxh3-128 checksum of
-the tensor bytes. A shard is written to a temporary name, fsynced and renamed, so a file with a
-shard's name is complete or absent; the checksum catches later damage.
+settings and the identity and tokens of each sample), its sample ids, its samples' content keys
+(`sample_keys`, tasks/common/content.py: any later run of the same extraction settings reads a
+sample from here by its tokens, wherever it falls in that run's data), the extraction's fingerprint
+and an xxh3-128 checksum of the tensor bytes (shards written before content keys lack `sample_keys`).
+A shard is written to a temporary name, fsynced and renamed, so a file with a shard's name is
+complete or absent; the checksum catches later damage.
 
 Every writer also appends a line per finished shard to its own journal (`journal/*.jsonl`,
 tasks/common/journal.py): name, size, mtime and checksum. On resume, a shard whose size and mtime still
@@ -18,7 +21,9 @@ is verified in full (and journaled again when it passes). A damaged journal file
 which only costs that full verification.
 
 Readers (training) check every shard against the manifest before using it: the fingerprint the
-manifest lists, every byte against the checksum, once per shard and process.
+manifest lists, every byte against the checksum, once per shard and process. A manifest's shard
+entry lists the samples a run reads from that shard; where it reads only some of them, or not in
+the shard's order (a shard of an earlier extraction), their `positions` in the shard too.
 """
 
 from __future__ import annotations
@@ -58,10 +63,23 @@ class ShardSpec:
     sample_ids: tuple[str, ...]
     tokens: int
     fingerprint: str
+    sample_keys: tuple[str, ...] = ()  # the rows' content keys (tasks/common/content.py), in the same order
 
     @property
     def name(self) -> str:
         return f"shard-{self.index:06d}-{self.fingerprint[:16]}.safetensors"
+
+
+@dataclass(frozen=True)
+class StoredShard:
+    """A shard on disk that lists its samples' content keys: any run of the same extraction settings
+    reads its samples from it by key (tasks/extract/plan.py)."""
+
+    name: str
+    fingerprint: str
+    tokens: int  # all its samples'
+    sample_keys: tuple[str, ...]  # in the order the shard stores them
+    plan: str  # the plan that wrote it (ExtractionPlan.plan_id): a resumed plan knows its own shards
 
 
 def stored(tensors) -> list[str]:
@@ -101,6 +119,7 @@ def write_shard(path: Path, spec: ShardSpec, hidden_states: torch.Tensor, input_
         "fingerprint": spec.fingerprint,
         "index": str(spec.index),
         "sample_ids": json.dumps(spec.sample_ids),
+        **({"sample_keys": json.dumps(spec.sample_keys)} if spec.sample_keys else {}),
         "tokens": str(spec.tokens),
         "checksum": checksum,
         **extra_metadata,
@@ -116,13 +135,13 @@ def write_shard(path: Path, spec: ShardSpec, hidden_states: torch.Tensor, input_
         raise write_error(f"writing {path.name} to {path.parent}", path.parent, e) from e
     os.replace(tmp, path)
     fsync_path(path.parent)
-    return journal_line(path, checksum, spec)
+    return journal_line(path, checksum, spec.fingerprint, spec.tokens, len(spec.rows))
 
 
-def journal_line(path: Path, checksum: str, spec: ShardSpec) -> dict:
+def journal_line(path: Path, checksum: str, fingerprint: str, tokens: int, samples: int) -> dict:
     stat = path.stat()
     return {"name": path.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "checksum": checksum,
-            "fingerprint": spec.fingerprint, "tokens": spec.tokens, "samples": len(spec.rows)}
+            "fingerprint": fingerprint, "tokens": tokens, "samples": samples}
 
 
 SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float8_e4m3fn: "F8_E4M3", torch.int32: "I32", torch.int64: "I64",
@@ -168,12 +187,12 @@ def load_shard(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         raise ShardError(f"{path.name}: unreadable safetensors file ({e})") from None
 
 
-def verify_shard(path: Path, spec: ShardSpec) -> dict[str, torch.Tensor]:
-    """Read a shard in full and check it is the one `spec` describes and undamaged."""
+def verify_shard(path: Path, fingerprint: str) -> dict[str, torch.Tensor]:
+    """Read a shard in full and check it is the one of `fingerprint` and undamaged."""
     tensors, meta = load_shard(path)
     if meta.get("format") != SHARD_FORMAT:
         raise ShardError(f"{path.name}: format {meta.get('format')!r}, expected {SHARD_FORMAT!r}")
-    if meta.get("fingerprint") != spec.fingerprint:
+    if meta.get("fingerprint") != fingerprint:
         raise ShardError(f"{path.name}: produced by other inputs (fingerprint {meta.get('fingerprint', '?')[:16]})")
     if tensors_checksum(tensors) != meta.get("checksum"):
         raise ShardError(f"{path.name}: checksum mismatch (damaged file)")
@@ -204,9 +223,15 @@ def quarantine(path: Path) -> str:
 
 
 def quarantined_shards(folder: Path) -> list[str]:
-    """Shards moved aside as damaged and not extracted again since."""
+    """Shards moved aside as damaged and not extracted again since: no file of the name is back, and no
+    extraction finished in the folder since (one that did wrote a manifest, after extracting the samples
+    again, into shards that may be named otherwise: it finds samples by content, and the damaged shard
+    is no longer a `shard-*.safetensors` file). Moving a file aside sets its change time (ctime)."""
+    manifests = [p.stat().st_mtime_ns for p in folder.glob("manifest-*.json")]
+    last_extraction = max(manifests, default=0)
     return sorted(p.name.removesuffix(QUARANTINE_SUFFIX) for p in folder.glob(f"*{QUARANTINE_SUFFIX}")
-                  if not p.with_name(p.name.removesuffix(QUARANTINE_SUFFIX)).is_file())
+                  if not p.with_name(p.name.removesuffix(QUARANTINE_SUFFIX)).is_file()
+                  and p.stat().st_ctime_ns > last_extraction)
 
 
 def unchanged_since_journal(path: Path, entry: dict | None) -> bool:
@@ -233,6 +258,11 @@ def read_manifest(path: str | Path) -> dict:
                 raise ValueError(f"shard entry without a name, fingerprint or checksum: {shard.get('name')}")
             if len(shard["sample_ids"]) != len(shard["lengths"]):
                 raise ValueError(f"{shard['name']}: sample ids and lengths disagree")
+            for listed in ("sample_keys", "positions"):  # each optional, one per sample where present
+                if listed in shard and len(shard[listed]) != len(shard["sample_ids"]):
+                    raise ValueError(f"{shard['name']}: {listed} and sample ids disagree")
+            if not all(isinstance(p, int) and p >= 0 for p in shard.get("positions", ())):
+                raise ValueError(f"{shard['name']}: positions are not sample numbers")
     except (UnicodeDecodeError, json.JSONDecodeError, ValueError, KeyError, TypeError) as e:
         raise ShardError(f"extraction manifest {path} is damaged ({type(e).__name__}: {e}); re-running the "
                          "extraction verifies the shards and writes it again (--refresh)") from None
@@ -259,10 +289,12 @@ class ShardReader:
         self.folder = self.manifest_path.parent
         self.index: list[tuple[int, int]] = []  # sample -> (shard number, position in shard)
         self.sample_ids: list[str] = []
+        self.sample_keys: list[str | None] = []  # content keys; None where the manifest predates them
         self.lengths: list[int] = []
         for s, shard in enumerate(self.manifest["shards"]):
-            self.index.extend((s, i) for i in range(len(shard["sample_ids"])))
+            self.index.extend((s, i) for i in shard.get("positions", range(len(shard["sample_ids"]))))
             self.sample_ids.extend(shard["sample_ids"])
+            self.sample_keys.extend(shard.get("sample_keys", [None] * len(shard["sample_ids"])))
             self.lengths.extend(shard["lengths"])
         self.dtype = self.manifest.get("dtype", "bfloat16")  # what the shards store
         self._files: dict[int, object] = {}
@@ -295,6 +327,7 @@ class ShardReader:
                 meta = f.metadata() or {}
                 shape = f.get_slice("hidden_states").get_shape()
                 stored_as = f.get_slice("hidden_states").get_dtype()
+                samples = f.get_slice("offsets").get_shape()[0] - 1
                 checksum = file_checksum(f) if meta.get("fingerprint") == listed["fingerprint"] else None
         except Exception as e:  # a truncated or foreign file fails to parse
             raise ShardError(f"{where} is unreadable ({e}); {quarantine(path)}") from None
@@ -304,9 +337,14 @@ class ShardReader:
         # a streamed shard's manifest lists no checksum: the one the shard carries is checked alone
         if checksum != meta.get("checksum") or (listed["checksum"] is not None and checksum != listed["checksum"]):
             raise ShardError(f"{where} is damaged (checksum mismatch); {quarantine(path)}")
-        expected = [sum(listed["lengths"]), len(self.manifest["layers"]), self.manifest["hidden_size"]]
+        # an entry of some of the shard's samples (`positions`) lists the whole shard's tokens
+        tokens = listed["tokens"] if "positions" in listed else sum(listed["lengths"])
+        expected = [tokens, len(self.manifest["layers"]), self.manifest["hidden_size"]]
         if shape != expected:
             raise ShardError(f"{where} holds hidden_states {shape}, the manifest expects {expected}; "
+                             f"{quarantine(path)}")
+        if max(listed.get("positions", [len(listed["sample_ids"]) - 1]), default=-1) >= samples:
+            raise ShardError(f"{where} holds {samples} samples, fewer than the manifest reads from it; "
                              f"{quarantine(path)}")
         if stored_as != SAFETENSORS_DTYPES[getattr(torch, self.dtype)]:
             raise ShardError(f"{where} stores {stored_as} hidden states, {self.manifest_path.name} says "

@@ -10,6 +10,9 @@ resumable, fingerprinted shards (format: tasks/extract/shards.py).
 - Shard i belongs to worker i % world_size: several processes, GPUs or machines fill one folder
   without coordination. Worker processes run `python -m tasks.extract.stage` (tasks/common/workers.py
   launches and follows them); each writes its shards with tasks/extract/writer.py.
+- Samples already extracted with the same settings are read from the shards that hold them, wherever
+  they now fall in the data (tasks/extract/content_index.py): only new samples are extracted, and the
+  result says how many samples and tokens were reused and how many extracted.
 - Verification checks every sample once, with its tokens, before the manifest is written.
 """
 
@@ -27,7 +30,9 @@ import torch
 from tasks.common.folder_lock import folder_lock
 from tasks.common.progress import ProgressCallback, ProgressEvent, format_bytes
 from tasks.common.sealed import fsync_path
+from tasks.common.verifier import verifier_fingerprint
 from tasks.common.workers import rank_worker_main
+from tasks.extract.content_index import rows_token_ids
 from tasks.extract.job import (
     ExtractJob,
     ExtractResult,
@@ -41,10 +46,12 @@ from tasks.extract.plan import (
     LAYERS_STORED,
     ExtractError,
     ExtractionPlan,
+    ShardUse,
     check_disk,
     check_host_memory,
-    existing_shards,
+    extraction_fingerprint,
     make_plan,
+    shards_on_disk,
 )
 from tasks.extract.shards import (
     ShardError,
@@ -56,69 +63,72 @@ from tasks.extract.shards import (
 from tasks.extract.storage_dtype import all_finite
 from tasks.extract.stream import write_stream_manifest
 from tasks.extract.writer import extract_shards
-from tasks.prepare.dataset import token_ids
 
 log = logging.getLogger(__name__)
 
 
 def verify_extraction(plan: ExtractionPlan, prepared, out_dir: Path, *, full: bool = True) -> list[str]:
-    """Every prepared sample present exactly once, in shards of this plan, shaped [T, 4, H],
+    """Every prepared sample read exactly once, from a shard the plan wrote or reuses, shaped [T, 4, H],
     finite, with the stored token ids equal to the prepared input_ids. `full` re-reads every
     byte against its checksum; otherwise a shard unchanged since its journal line is trusted
     (its states were checked finite and checksummed when written). Returns the names of the
     shards that fail (each is logged with the reason): damaged since written, to be redone."""
     journal = shard_journal(out_dir).entries()
-    seen: dict[str, int] = {}
+    seen: dict[int, int] = {}
     bad: list[str] = []
-    for spec in plan.shards:
-        path = out_dir / spec.name
+    for use in plan.uses():
+        path = out_dir / use.name
         try:
-            check_shard(spec, path, plan, prepared, full or not unchanged_since_journal(path, journal.get(spec.name)))
+            check_shard(use, path, plan, prepared, full or not unchanged_since_journal(path, journal.get(use.name)))
         except ShardError as e:
             log.warning("verification: %s", e)
-            bad.append(spec.name)
+            bad.append(use.name)
             continue
-        for sample_id in spec.sample_ids:
-            seen[sample_id] = seen.get(sample_id, 0) + 1
-    missing = set(prepared["sample_id"]) - set(seen)
-    doubled = [s for s, n in seen.items() if n > 1]
-    if not bad and (missing or doubled or len(seen) != len(prepared)):
-        raise ExtractError(f"verification: {len(missing)} samples missing, {len(doubled)} present more than once")
+        for row in use.rows:
+            seen[row] = seen.get(row, 0) + 1
+    missing = len(prepared) - len(seen)
+    doubled = [r for r, n in seen.items() if n > 1]
+    if not bad and (missing or doubled):
+        raise ExtractError(f"verification: {missing} samples missing, {len(doubled)} present more than once")
     return bad
 
 
-def check_shard(spec, path: Path, plan: ExtractionPlan, prepared, full: bool) -> None:
-    """One shard of the plan, read in full against its checksum or (not `full`) its header and token ids."""
+def check_shard(use: ShardUse, path: Path, plan: ExtractionPlan, prepared, full: bool) -> None:
+    """One shard the plan reads, in full against its checksum or (not `full`) its header, and the token
+    ids of the samples read from it."""
     if not path.is_file():
-        raise ShardError(f"{spec.name} is missing")
+        raise ShardError(f"{use.name} is missing")
     if full:
-        tensors = verify_shard(path, spec)
+        tensors = verify_shard(path, use.fingerprint)
     else:
         from safetensors import safe_open
 
-        if read_metadata(path).get("fingerprint") != spec.fingerprint:
-            raise ShardError(f"{spec.name} has another fingerprint")
+        if read_metadata(path).get("fingerprint") != use.fingerprint:
+            raise ShardError(f"{use.name} has another fingerprint")
         with safe_open(str(path), "pt") as f:
             tensors = {k: f.get_tensor(k) for k in ("input_ids", "offsets")}
             tensors["hidden_states"] = f.get_slice("hidden_states")
     hs = tensors["hidden_states"]
     shape = list(hs.shape) if isinstance(hs, torch.Tensor) else hs.get_shape()
-    if shape != [spec.tokens, LAYERS_STORED, plan.hidden_size]:
-        raise ShardError(f"{spec.name} hidden_states {shape}, expected [{spec.tokens}, {LAYERS_STORED}, "
+    if shape != [use.tokens, LAYERS_STORED, plan.hidden_size]:
+        raise ShardError(f"{use.name} hidden_states {shape}, expected [{use.tokens}, {LAYERS_STORED}, "
                          f"{plan.hidden_size}]")
     if isinstance(hs, torch.Tensor) and not all_finite(tensors):
-        raise ShardError(f"{spec.name} holds non-finite values")
+        raise ShardError(f"{use.name} holds non-finite values")
     offsets = tensors["offsets"].tolist()
+    if len(offsets) != use.samples + 1:
+        raise ShardError(f"{use.name} holds {len(offsets) - 1} samples, expected {use.samples}")
     stored = tensors["input_ids"]
-    prepared_ids = token_ids(prepared, spec.rows)
-    for i, r in enumerate(spec.rows):
+    prepared_ids = rows_token_ids(prepared, use.rows)
+    for position, r in zip(use.positions, use.rows):
         expected = torch.from_numpy(prepared_ids[r].astype("int32"))
-        if not torch.equal(stored[offsets[i]: offsets[i + 1]], expected):
-            raise ShardError(f"{spec.name} sample {spec.sample_ids[i]}: token ids differ from the prepared input_ids")
+        if not torch.equal(stored[offsets[position]: offsets[position + 1]], expected):
+            raise ShardError(f"{use.name} sample {prepared[r]['sample_id']}: token ids differ from the prepared "
+                             "input_ids")
 
 
 def write_manifest(plan: ExtractionPlan, prepared_fp: str, out_dir: Path, lengths) -> Path:
-    manifest = manifest_content(plan, prepared_fp, lengths, lambda s: read_metadata(out_dir / s.name)["checksum"])
+    manifest = manifest_content(plan, prepared_fp, lengths, lambda use: read_metadata(out_dir / use.name)["checksum"])
     path = manifest_path(out_dir, plan.fingerprint, prepared_fp)
     tmp = path.with_name(f".tmp-{path.name}")
     with tmp.open("w") as f:
@@ -132,7 +142,8 @@ def write_manifest(plan: ExtractionPlan, prepared_fp: str, out_dir: Path, length
 
 def run_worker(job: ExtractJob, rank: int = 0, world_size: int = 1,
                callback: ProgressCallback | None = None) -> list[dict]:
-    """Extract the pending shards that belong to `rank`; returns their journal lines."""
+    """Extract the pending shards that belong to `rank`; returns their journal lines. Every worker's plan
+    is its parent's, whatever shards the others wrote meanwhile (tasks/extract/content_index.py)."""
     s = job.extract_settings
     prepared, verifier, layers = load_inputs(job)
     out_dir = Path(job.out_dir)
@@ -170,17 +181,27 @@ def _run_extraction(job: ExtractJob, in_process: bool, callback: ProgressCallbac
     for partial in out_dir.glob(".tmp-*"):  # left by a killed run; no other run writes here (the lock)
         partial.unlink(missing_ok=True)
     prepared, verifier, layers = load_inputs(job)
-    plan = make_plan(prepared, verifier, layers, out_dir, compute_dtype=job.compute_dtype,
-                     shard_tokens=s.shard_tokens, storage_dtype=s.storage_dtype, gpus=s.gpus)
+    fingerprint = extraction_fingerprint(verifier_fingerprint(verifier.path), layers, job.compute_dtype,
+                                         s.storage_dtype)
+    offline_manifest = manifest_path(out_dir, fingerprint, job.prepared_fingerprint)
+    # a streamed extraction plans every sample as before (no reuse); a finished offline one is read as it is
+    streamed = s.mode == "stream" and not offline_manifest.is_file()
+
+    def plan_now(estimate: bool) -> ExtractionPlan:
+        return make_plan(prepared, verifier, layers, out_dir, compute_dtype=job.compute_dtype,
+                         shard_tokens=s.shard_tokens, storage_dtype=s.storage_dtype, by_content=not streamed,
+                         estimate=estimate, gpus=s.gpus)
+
+    plan = plan_now(estimate=True)
     log.info("%s", plan.describe())
     if on_plan is not None:
         on_plan(plan)
-    offline_manifest = manifest_path(out_dir, plan.fingerprint, job.prepared_fingerprint)
-    if s.mode == "stream" and not offline_manifest.is_file():  # (a finished offline extraction is read as it is)
+    if streamed:
         return stream_result(job, plan, prepared, offline_manifest.with_name(f"stream-{offline_manifest.name}"), t0)
     check_disk(plan, out_dir, s.reserve_disk_gb)
     if plan.pending:  # a complete folder allocates no buffers
         check_host_memory(plan, s.workers)
+    existed = set(plan.done) | {shard.name for shard in plan.reused}  # on disk before this run
     pending_tokens, shards_pending = plan.pending_tokens, len(plan.pending)
     last: list[ProgressEvent] = []
 
@@ -194,7 +215,7 @@ def _run_extraction(job: ExtractJob, in_process: bool, callback: ProgressCallbac
 
     t_extract = time.monotonic()
     if not plan.pending:
-        log.info("all %d shards are complete: the verifier is not loaded", len(plan.shards))
+        log.info("all %d samples are in shards on disk: the verifier is not loaded", plan.samples)
     else:
         extract_pending(job, plan, out_dir, in_process, remember, lock_fd)
     extract_s = time.monotonic() - t_extract
@@ -210,25 +231,42 @@ def _run_extraction(job: ExtractJob, in_process: bool, callback: ProgressCallbac
                     len(damaged), ", ".join(damaged))
         for name in damaged:
             (out_dir / name).unlink(missing_ok=True)
+        existed -= set(damaged)
+        plan = plan_now(estimate=False)  # their samples planned again: a reused shard's may go into new shards
+        shards_pending += len(plan.pending)
+        pending_tokens += plan.pending_tokens
         extract_pending(job, plan, out_dir, in_process, remember, lock_fd)
-        shards_pending += len(damaged)
-        pending_tokens += sum(spec.tokens for spec in plan.shards if spec.name in damaged)
         if still := verify_extraction(plan, prepared, out_dir, full=True):
             raise ExtractError(f"verification: {', '.join(still)} failed again after being redone (see the log)")
     manifest = write_manifest(plan, job.prepared_fingerprint, out_dir, prepared["seq_len"])
+    shards = len(plan.uses())
     log.info("extraction verified in %.1f s (%s): %d samples, %d tokens, %d shards -> %s",
              time.monotonic() - t_verify, "every byte" if s.verify == "full" else "journal + tokens",
-             plan.samples, plan.tokens, len(plan.shards), manifest)
+             plan.samples, plan.tokens, shards, manifest)
+    counts = work_counts(plan, existed, prepared["seq_len"][:])
+    log.info("extraction: %s samples (%s tokens) reused from shards on disk, %s samples (%s tokens) extracted in "
+             "this run", f"{counts['samples_reused']:,}", f"{counts['tokens_reused']:,}",
+             f"{counts['samples_extracted']:,}", f"{counts['tokens_extracted']:,}")
     return ExtractResult(
         manifest=str(manifest),
         fingerprint=result_fingerprint(plan, job),
-        layers=plan.layers, samples=plan.samples, tokens=plan.tokens, shards=len(plan.shards),
+        layers=plan.layers, samples=plan.samples, tokens=plan.tokens, shards=shards,
         shards_extracted=shards_pending,
         verifier_loaded=pending_tokens > 0,
         wall_s=round(time.monotonic() - t0, 2),
         steady_tokens_per_s=round(steady, 1) if steady else None,
         wall_tokens_per_s=round(pending_tokens / extract_s, 1) if pending_tokens else None,
+        **counts,
     )
+
+
+def work_counts(plan: ExtractionPlan, existed: set[str], lengths: list[int]) -> dict[str, int]:
+    """Samples and tokens the manifest reads from shards that were on disk before this run (`existed`),
+    and those extracted in it (ExtractResult's fields)."""
+    reused = [r for use in plan.uses() if use.name in existed for r in use.rows]
+    reused_tokens = sum(lengths[r] for r in reused)
+    return {"samples_reused": len(reused), "tokens_reused": reused_tokens,
+            "samples_extracted": plan.samples - len(reused), "tokens_extracted": plan.tokens - reused_tokens}
 
 
 def result_fingerprint(plan: ExtractionPlan, job: ExtractJob) -> str:
@@ -266,7 +304,7 @@ def extract_pending(job: ExtractJob, plan: ExtractionPlan, out_dir: Path, in_pro
     else:
         run_worker_processes("tasks.extract.stage", "extraction worker", job, job.extract_settings.workers, callback,
                              lock_fd)
-    plan.done, plan.stale_bytes = existing_shards(out_dir, plan.shards)
+    plan.done = shards_on_disk(out_dir, plan.shards)
     if plan.pending:
         raise ExtractError(f"{len(plan.pending)} shards are still missing after extraction, e.g. {plan.pending[0].name}")
 

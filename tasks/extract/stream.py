@@ -12,7 +12,9 @@ shard's file exists only once it is complete. Beside them, in `stream/`, small f
   from): the position a resume would start at. Shards of earlier positions no resume can need: the
   producer deletes them and fills the window from this position on;
 - `stop` (the stage, when training ended) and `producer-failed.json` (the stage, when the producer failed
-  for good: the trainer stops waiting and says why).
+  for good: the trainer stops waiting and says why);
+- `abandon` (the stage, when training stopped short: a signal, a failure): the producers end at once,
+  mid-shard (the shard's temporary file is never renamed; a resume extracts it again).
 
 A shard deleted and needed again (a later epoch, a resume from an older checkpoint) is produced again:
 the same samples in the same batches give the same bytes. Each producer rank writes its high-water
@@ -35,7 +37,7 @@ from pathlib import Path
 
 from tasks.common.errors import is_deterministic
 from tasks.common.progress import Progress, ProgressCallback, format_bytes, format_seconds
-from tasks.common.workers import rank_worker_main
+from tasks.common.workers import end_processes, process_trees, rank_worker_main
 from tasks.extract.job import ExtractJob, load_inputs, make_backend, manifest_content, run_worker_processes
 from tasks.extract.plan import ExtractError, make_plan
 from tasks.extract.writer import extract_shards
@@ -74,7 +76,8 @@ class StreamControl:
     def reset(self) -> None:
         """A new attempt: nothing of the last one's sequence, release point or stop is believed."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        for path in [*(self.dir / name for name in ("sequence.json", "released.json", "stop", "producer-failed.json")),
+        for path in [*(self.dir / name for name in ("sequence.json", "released.json", "stop", "abandon",
+                                                     "producer-failed.json")),
                      *self.dir.glob("report-*.json")]:
             path.unlink(missing_ok=True)
 
@@ -105,6 +108,14 @@ class StreamControl:
     def stop(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "stop").touch()
+
+    def abandon(self) -> None:
+        self.stop()
+        (self.dir / "abandon").touch()
+
+    def abandoned(self) -> bool:
+        """The stage abandoned the stream, or died: this producer ends now, its shard unfinished."""
+        return (self.dir / "abandon").exists() or os.getppid() != self.parent
 
     def fail(self, message: str) -> None:
         write_whole(self.dir / "producer-failed.json", {"message": message})
@@ -158,6 +169,7 @@ def produce(job: ExtractJob, rank: int = 0, world_size: int = 1, callback: Progr
                      shard_tokens=s.shard_tokens, storage_dtype=s.storage_dtype, check_existing=False, estimate=False)
     specs = plan.shards
     backend = make_backend(job, verifier, layers)
+    end_when_abandoned(control)
     backend.load(callback)  # while the trainer starts: it publishes its sequence once it knows its schedule
     report = control.dir / f"report-{rank}.json"
     before = read_json(report) or {}  # this rank's earlier process in this attempt, if it died
@@ -217,6 +229,20 @@ def produce(job: ExtractJob, rank: int = 0, world_size: int = 1, callback: Progr
              produced, deleted, format_bytes(high_water))
 
 
+def end_when_abandoned(control: StreamControl) -> None:
+    """In a producer: a thread that ends this process and any it started (vLLM's engines) as soon as the
+    stage abandons the stream. Not between blocks: a shard takes seconds to minutes (10.6 s on a loaded
+    2-core machine), and the stage's stop promises every process gone within 10 s."""
+    def watch() -> None:
+        while not control.abandoned():
+            time.sleep(POLL_S)
+        log.info("streamed extraction: stopped by the stage; a shard it had not finished is extracted on resume")
+        end_processes(process_trees([os.getpid()])[1:])
+        os._exit(0)  # not an exception: the main thread is in the backend's forward pass
+
+    threading.Thread(target=watch, name="abandon-watch", daemon=True).start()
+
+
 RunProducers = Callable[[ExtractJob, ProgressCallback | None], None]
 
 
@@ -262,8 +288,8 @@ def producing(manifest: dict, run_producers: RunProducers,
     producer.start()
     try:
         yield control
-    except BaseException:
-        control.stop()
+    except BaseException:  # a stop signal or training's failure: the producers abandon their shards
+        control.abandon()
         producer.join()
         if failures:
             raise failures[0] from None  # the producer's own error: the trainer only stopped waiting

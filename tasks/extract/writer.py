@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 from tasks.common.progress import Progress, ProgressCallback
+from tasks.extract.content_index import rows_token_ids
 from tasks.extract.plan import LAYERS_STORED, WRITER_BUFFERS, ExtractError, ExtractionPlan
 from tasks.extract.shards import ShardSpec, shard_journal, write_shard
 from tasks.extract.storage_dtype import SCALE_DTYPE, SCALE_TENSOR, STORAGE_DTYPES, encode
-from tasks.prepare.dataset import token_ids
 
 log = logging.getLogger(__name__)
 
@@ -151,12 +151,14 @@ def extract_shards(shards: list[ShardSpec], plan: ExtractionPlan, prepared, out_
                 "extraction_fingerprint": plan.fingerprint, "verifier": plan.verifier}
     if plan.storage_dtype != "bf16":  # bf16 shards stay byte for byte what they were before fp8 storage
         metadata["storage_dtype"] = plan.storage_dtype
+    if plan.plan_id:  # a resumed plan knows its own shards by it (tasks/extract/content_index.py)
+        metadata["plan"] = plan.plan_id
     writer = ShardWriter(out_dir, max(s.tokens for s in shards), plan.hidden_size, backend.device, metadata,
                          plan.storage_dtype)
     progress = Progress(label, sum(s.tokens for s in shards), "tok", callback) if label else None
     try:
         for spec in shards:
-            ids = {r: a.tolist() for r, a in token_ids(prepared, spec.rows).items()}
+            ids = {r: a.tolist() for r, a in rows_token_ids(prepared, spec.rows).items()}
             for i, batch in enumerate(batches(spec, lengths, batch_tokens)):
                 states = backend.capture([ids[r] for r in batch])
                 if i == 0:  # once its first batch is queued: a wait for a free buffer overlaps that compute

@@ -45,6 +45,7 @@ def test_each_problem_is_named_in_one_line_before_any_work(setup, capsys):
         (["output_dir=/sys/eagle3-out"], "output_dir /sys/eagle3-out is not writable"),
         (["output_dir=" + str(tmp_path / "a-file" / "out")], "a-file is a file, not a folder"),
         (["validation.live=auto", "validation.prompts=" + str(tmp_path / "prompts.jsonl")], "validation.prompts"),
+        (["train.init_from=" + str(tmp_path)], f"init_from {tmp_path}"),  # a folder that is no draft
     ]
     for overrides, expected in cases:
         code, err = run_cli(tmp_path, config, capsys, *overrides)
