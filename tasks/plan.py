@@ -31,6 +31,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from tasks.common.config import PipelineConfig
 from tasks.common.progress import format_bytes, format_seconds
 from tasks.common.verifier import (
@@ -50,6 +52,7 @@ from tasks.extract.plan import (
     ExtractionPlan,
     check_disk,
     check_host_memory,
+    estimate_seconds,
     make_plan,
 )
 from tasks.extract.storage_dtype import bytes_per_token
@@ -99,6 +102,7 @@ class RunSizing:
     stream_disk_bytes: int  # extract.mode 'stream': the window and the validation shards (expected count)
     training: TrainingSize
     stream_shares_gpus: bool  # cluster.executor 'local': the producers run on training's own GPUs
+    cpu_seconds: float | None = None  # where this machine has no GPU: the extraction on its CPU (the demo's case)
 
     @property
     def gpu_seconds(self) -> float:
@@ -162,7 +166,9 @@ class RunSizing:
                 "offline_time": format_seconds(self.offline_seconds), "stream_time": format_seconds(self.stream_seconds),
                 "stream_disk_peak_gb": round(self.stream_disk_bytes / 1e9, 3),
                 "stream_shares_gpus": self.stream_shares_gpus,
-                "stream_verifier_passes": self.training.epochs}
+                "stream_verifier_passes": self.training.epochs,
+                "estimated_time_here_on_cpu": format_seconds(self.cpu_seconds) if self.cpu_seconds is not None
+                else None}
 
     def describe(self) -> str:
         plan = self.plan.describe(estimate=False)  # this machine's speed is no help: the run is elsewhere
@@ -172,11 +178,14 @@ class RunSizing:
                        + (" (with regeneration on, these are the data's own answers; the run extracts the "
                           "verifier's answers instead, whose lengths differ)" if self.regenerate else ""),
                  f"  verifier: {self.parameters / 1e9:.2f} B parameters{active} (from {self.parameters_from}); "
-                 f"extraction on {self.gpus} GPU(s) of {self.gpu_tflops:g} dense bf16 TFLOP/s: about "
+                 f"extraction on the run's {self.gpus} GPU(s) of {self.gpu_tflops:g} dense bf16 TFLOP/s: about "
                  f"{format_seconds(self.gpu_seconds)}, bound by the {self.bound} (the slower of the rate measured "
                  f"for 8B shapes on an H100, scaled by active parameters up to the fastest extraction measured, "
                  f"{MEASURED_MAX_TOKENS_PER_S:,} tokens/s a GPU, and the writes at "
                  f"{self.disk_bytes_per_s / 1e9:g} GB/s; docs/BENCHMARKS.md)",
+                 *([f"  on this machine, which has no GPU, the run computes on its CPU: extraction about "
+                    f"{format_seconds(self.cpu_seconds)} (this CPU's matmul rate at 40%)"]
+                   if self.cpu_seconds is not None else []),
                  *([f"  the disk binds bf16 shards: extract.storage_dtype: fp8_e4m3 writes half the bytes, about "
                     f"{format_seconds(self.fp8_seconds())} of extraction (8B shapes on one H100: 1.14x bf16's rate; "
                     "drafts from fp8 shards: 0.9997 of bf16's acceptance; docs/BENCHMARKS.md, docs/RESULTS.md)"]
@@ -313,7 +322,9 @@ def size_run(config: PipelineConfig, gpu_tflops: float = H100_BF16_TFLOPS, keep:
                      compute_s, disk_s, problems,
                      config.data.regenerate.enabled, serving, keep,
                      min(len(plan.shards), e.stream_window + val_shards) * shard_bytes, training,
-                     config.cluster.executor == "local")
+                     config.cluster.executor == "local",
+                     None if torch.cuda.is_available() else
+                     estimate_seconds(verifier, plan.pending_tokens, config.verifier.dtype))
 
 
 def serving_line(config: PipelineConfig, verifier: VerifierInfo) -> str:

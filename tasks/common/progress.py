@@ -51,6 +51,8 @@ def number(x: float) -> str:
 
 
 def format_seconds(s: float) -> str:
+    if 0 < s < 1:  # "0s" would read as nothing at all
+        return "under 1s"
     s = int(s)
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
