@@ -56,8 +56,15 @@ def download_snapshot(repo_id: str, repo_type: str, revision: str | None = None,
     """The snapshot folder of `repo_id` at `revision` (default: main) holding the files that match
     `allow_patterns` (all when None): from the cache when it has them, else downloaded into it."""
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, HFValidationError, IncompleteSnapshotError,
-                                        LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        HFValidationError,
+        IncompleteSnapshotError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     what = f"Hub {repo_type} {repo_id}" + (f" (revision {revision})" if revision else "")
     download = f"`hf download {repo_id}{' --repo-type dataset' if repo_type == 'dataset' else ''}" \

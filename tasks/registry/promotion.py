@@ -21,8 +21,17 @@ from pathlib import Path
 
 from tasks.common.folder_lock import folder_lock
 from tasks.common.sealed import fsync_path
-from tasks.registry.layout import (CURRENT, HISTORY, LOCK_OWNER, VERSIONS, RegistryError, Version, current,
-                                   find_version, require_registry)
+from tasks.registry.layout import (
+    CURRENT,
+    HISTORY,
+    LOCK_OWNER,
+    VERSIONS,
+    RegistryError,
+    Version,
+    current,
+    find_version,
+    require_registry,
+)
 
 SWITCHING = ".current.tmp"  # the new symlink, before it replaces `current`
 

@@ -16,8 +16,19 @@ import xxhash
 from tasks.common.folder_lock import folder_lock
 from tasks.common.sealed import file_digest, fsync_path
 from tasks.registry.gate import measured, validation_verdict
-from tasks.registry.layout import (DRAFT, LINEAGE, LOCK_OWNER, REPORTS, SERVE_SCRIPT, SERVE_TEXT, RegistryError,
-                                   Version, read_version, versions, versions_dir)
+from tasks.registry.layout import (
+    DRAFT,
+    LINEAGE,
+    LOCK_OWNER,
+    REPORTS,
+    SERVE_SCRIPT,
+    SERVE_TEXT,
+    RegistryError,
+    Version,
+    read_version,
+    versions,
+    versions_dir,
+)
 from tasks.validate.serve_line import serve_lines
 
 log = logging.getLogger(__name__)

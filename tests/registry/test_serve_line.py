@@ -8,8 +8,14 @@ import shlex
 
 import pytest
 
-from tasks.validate.serve_line import (K_RANGE, conditional_acceptance, draft_step_cost, expected_tokens, serve_lines,
-                                       weight_bytes)
+from tasks.validate.serve_line import (
+    K_RANGE,
+    conditional_acceptance,
+    draft_step_cost,
+    expected_tokens,
+    serve_lines,
+    weight_bytes,
+)
 
 
 @pytest.fixture(scope="module")
