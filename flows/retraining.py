@@ -38,8 +38,10 @@ from tasks.validate.stage import ValidationResult
 log = logging.getLogger(__name__)
 
 DRIFT_CODE = ("tasks.drift.decision", "tasks.drift.check", "tasks.drift.samples", "tasks.train.evaluation",
-              "tasks.train.acceptance", "tasks.train.data", "tasks.train.checkpoints", "tasks.extract.shards",
-              "tasks.common.content")
+              "tasks.train.acceptance", "tasks.train.data", "tasks.train.checkpoints", "tasks.train.job",
+              "tasks.train.warm_start", "tasks.extract.shards", "tasks.extract.storage_dtype", "tasks.prepare.dataset",
+              "tasks.vocab", "tasks.common.content", "tasks.common.journal", "tasks.common.sealed",
+              "tasks.common.verifier")
 
 
 class NotPromoted(PermanentError, RuntimeError):

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,7 +17,7 @@ from flow_support import small_config, write_sample_data
 from pictures import colour_pixels
 from prefect_stack import PrefectStack, chromium
 
-from tasks.common.folder_lock import held_by_live_process
+from tasks.common.folder_lock import folder_lock, held_by_live_process
 from tasks.common.plots import TRAIN, VAL
 from tasks.prepare.chat_data import Dropped, read_rows
 
@@ -124,6 +127,7 @@ def test_prefect_yaml_deployments_and_presets(stack):
         scheduled = stack.post("/flow_runs/count", body)
         time.sleep(1)
     assert scheduled >= 1
+    without_the_nightly_runs(stack, "eagle3-retrain")  # none of them runs the demo preset in this project folder
 
 
 def test_a_cancel_from_the_ui_ends_every_process_of_the_run_and_marks_it_cancelled(stack, sharegpt, tmp_path):
@@ -167,10 +171,28 @@ def test_a_cancel_from_the_ui_ends_every_process_of_the_run_and_marks_it_cancell
                                        "train": "Crashed"}
 
 
+def without_the_nightly_runs(stack: PrefectStack, deployment: str) -> None:
+    """The deployment's schedule paused and the runs it created gone: at 03:00 UTC its nightly run of the
+    demo preset would otherwise hold the deployment's one slot (concurrency_limit: 1) for minutes."""
+    found = next(d for d in stack.post("/deployments/filter", {}) if d["name"] == deployment)
+    for schedule in httpx.get(f"{stack.api}/deployments/{found['id']}/schedules", timeout=30).json():
+        httpx.patch(f"{stack.api}/deployments/{found['id']}/schedules/{schedule['id']}", json={"active": False},
+                    timeout=30).raise_for_status()
+    body = {"deployments": {"id": {"any_": [found["id"]]}}, "flow_runs": {"state": {"type": {"any_": [
+        "SCHEDULED", "PENDING", "RUNNING"]}}}}
+    for run in stack.post("/flow_runs/filter", body):
+        if run["state_type"] == "RUNNING":
+            stack.post(f"/flow_runs/{run['id']}/set_state", {"state": {"type": "CANCELLING"}, "force": True})
+            wait_final(stack, run["id"])
+        else:
+            httpx.delete(f"{stack.api}/flow_runs/{run['id']}", timeout=30).raise_for_status()
+
+
 def test_the_retrain_deployment_does_only_the_new_work_and_promotes(stack, sharegpt, tmp_path):
     """Two runs of `eagle3-retrain` through the server and the process worker: the first trains a draft
     and makes it version 1; a file dropped into the incoming folder, the second extracts only its
     conversations, warm-starts from version 1 with a replay share of the old samples, and promotes version 2."""
+    without_the_nightly_runs(stack, "eagle3-retrain")
     out, incoming = tmp_path / "out", tmp_path / "incoming"
     incoming.mkdir()
     rows = [r.data for r in read_rows([sharegpt], 40) if not isinstance(r.data, Dropped)]
@@ -203,3 +225,30 @@ def test_the_retrain_deployment_does_only_the_new_work_and_promotes(stack, share
     assert (registry / "current").resolve().name == "2"
     lineage = json.loads((registry / "versions" / "2" / "lineage.json").read_text())
     assert lineage["parent"] == "version 1"
+
+
+def test_a_deployment_run_and_a_cli_run_are_one_system(stack, sharegpt, tmp_path):
+    """A deployment's run on a folder another run holds fails in its first seconds, not retried; after a CLI
+    run of the same config, a deployment's run is a cache hit for every stage."""
+    out = tmp_path / "out"
+    config = small_config(out, write_sample_data(sharegpt, tmp_path / "chats.jsonl", 6))
+    out.mkdir()
+    with folder_lock(out, "a test standing in for another run"):
+        started = time.monotonic()
+        busy, output = deployment_run(stack, "eagle3-train", config)
+        assert busy and wait_final(stack, busy) == "Failed", output
+        took = time.monotonic() - started
+    assert states(stack, busy) == {}, "no stage ran on the busy folder"
+    run = stack.post("/flow_runs/filter", {"flow_runs": {"id": {"any_": [busy]}}})[0]
+    assert run["run_count"] == 1 and "in use by another" in run["state"]["message"], run["state"]
+    assert took < 120, took  # the worker's start of the flow process included; no stage, no retry
+
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    cli = subprocess.run([str(Path(sys.executable).parent / "eagle3-pipeline"), "run", str(config_file)],
+                         capture_output=True, text=True, timeout=900, cwd=tmp_path,
+                         env={k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")})
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    after, output = deployment_run(stack, "eagle3-train", config)
+    assert after and wait_final(stack, after) == "Completed", output
+    assert states(stack, after) == {s: "Cached" for s in STAGES}
