@@ -61,6 +61,7 @@ def set_aside_damaged_database(home: Path) -> Path | None:
 
 
 SERVER_START_TIMEOUT_S = 180  # a loaded machine, a first start migrating a new database
+RUN_SERVER: subprocess.Popen | None = None  # the server start_run_server started in this process
 
 
 def start_run_server(home: Path) -> subprocess.Popen | None:
@@ -68,8 +69,9 @@ def start_run_server(home: Path) -> subprocess.Popen | None:
     runs in a session of its own: a terminal's Ctrl-C or a SIGTERM to the whole process group (systemd's
     default, KillMode=control-group) stops the run's processes but not the server, which the stopping
     run still needs to record its end (without it, Prefect's engine retries the gone server for a minute
-    and then fails with a traceback). The server ends with this process however it ends: at exit, and
-    through the kernel's parent-death signal where this process is killed outright (Linux). It runs the
+    and then fails with a traceback). The server ends with this process however it ends: at exit, after
+    a stop once the flow run is marked Cancelled (flows/stop.py), and through the kernel's parent-death
+    signal where this process is killed outright (Linux). It runs the
     command Prefect's own temporary server runs (prefect.server.api.server.SubprocessASGIServer), its
     output in `home/server.log`.
 
@@ -89,6 +91,8 @@ def start_run_server(home: Path) -> subprocess.Popen | None:
             env=env, stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
             preexec_fn=end_with_parent)
     atexit.register(stop_server, server)
+    global RUN_SERVER
+    RUN_SERVER = server
     api = f"http://127.0.0.1:{port}/api"
     deadline = time.monotonic() + SERVER_START_TIMEOUT_S
     while time.monotonic() < deadline:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import statistics
 import time
 from pathlib import Path
 
@@ -33,12 +34,26 @@ def markdown(rows: list[dict], trials: list[Trial], commands: list[str], wall_s:
              f"{wall_s / 60:.0f} min:", "", *(f"    {command}" for command in commands), "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(str(r[k]) for k in head) + " |" for r in rows]
+    lines += stop_times(trials)
     lines += ["", "Every trial:", "",
               "| kind | fault | identical | redone | temporaries left / read | handled | note |",
               "|---|---|---|---|---|---|---|"]
     lines += [f"| {t.kind} | {t.fault} | {t.identical} | {t.redone} | {t.temporaries_left} / {t.temporaries_read} | "
               f"{t.ok} | {t.note.replace('|', '/')} |" for t in trials]
     return "\n".join(lines) + "\n"
+
+
+def stop_times(trials: list[Trial]) -> list[str]:
+    """For the polite stops (term-flow, int-flow, a CPU burner on every core): the seconds from the signal
+    until every process of the run was gone, as distributed, and how far the CLI's own line was from them."""
+    lines = []
+    for kind in dict.fromkeys(t.kind for t in trials if t.stop_s is not None):
+        times = sorted(t.stop_s for t in trials if t.kind == kind and t.stop_s is not None)
+        off = [abs(t.said_s - t.stop_s) for t in trials if t.kind == kind and t.stop_s is not None and t.said_s]
+        lines.append(f"- {kind}, every process gone after (s, {len(times)} stops): min {times[0]:.1f}, median "
+                     f"{statistics.median(times):.1f}, max {times[-1]:.1f} (promise: 10); the CLI's line within "
+                     f"{max(off, default=float('nan')):.1f} s of it")
+    return ["", "Polite stops, a process spinning on every core beside each:", "", *lines] if lines else []
 
 
 def from_logs(logs: list[Path]) -> tuple[list[Trial], list[str], float]:

@@ -168,6 +168,19 @@ def run_stage(cmd: list[str], log_file: Path, stop_at: float | None = None, how:
 POLITE_STOP_S = 10.0  # what the pipeline promises for SIGTERM or SIGINT (README)
 
 
+@contextlib.contextmanager
+def cpu_burner():
+    """A process spinning on each core while inside: the loaded machine a polite stop must keep its
+    promise on (the trials that measured 4.8-27.8 s ran at a load of 3-20)."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    try:
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+
+
 def wait_group_gone(pgid: int, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -310,6 +310,7 @@ def run_processes(commands: list[list[str]], progress_files: list[Path], callbac
     outputs = [log.open("wb") for log in logs]
     pipes: list[ErrorPipe] = []
     copiers: list[threading.Thread] = []
+    stopping = False
     try:
         procs = []
         for i, cmd in enumerate(commands):
@@ -329,12 +330,14 @@ def run_processes(commands: list[list[str]], progress_files: list[Path], callbac
 
         follow(running, progress_files, callback, poll_s)
         piped = [pipe.records() for pipe in pipes]
-    except BaseException:  # a stop signal (flows/cli.py) or a failure here: no worker outlives its stage
+    except BaseException as e:  # a stop signal (flows/stop.py) or a failure here: no worker outlives its stage
+        stopping = not isinstance(e, Exception)
         end_process_trees(procs)
         raise
     finally:
         for copier in copiers:  # the output's last lines (a traceback) in the file before it is read
-            copier.join(timeout=10)  # a grandchild still holding the pipe must not hold up the stage
+            # a grandchild still holding the pipe must not hold up the stage, nor a stop (its promise: 10 s)
+            copier.join(timeout=1 if stopping else 10)
         for f in outputs[len(copiers):]:  # a copying thread closes its file at the end of the output
             f.close()
         for pipe in pipes:
@@ -366,30 +369,50 @@ def copy_output(stream, log) -> threading.Thread:
     return thread
 
 
-def end_process_trees(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
-    """Terminate each process and everything it started (vLLM's engine processes, data loaders),
-    then kill whatever is still alive after `grace_s`."""
+# How long a process of a stopping run has between SIGTERM and SIGKILL: a Python worker or the trainer
+# dies at once (SIGTERM's default action), vLLM's engines shut down in about a second; the run's stop
+# promises every process gone within 10 s (flows/stop.py), its Prefect server's end included.
+STOP_GRACE_S = 3.0
+KILLED_WAIT_S = 2.0  # a SIGKILLed process is gone once the kernel ends it (not while in an uninterruptible write)
+
+
+def process_trees(pids: list[int]) -> list:
+    """The processes `pids` and everything each started (vLLM's engine processes, data loaders), as
+    psutil processes; those already gone are left out."""
     import psutil
 
     tree = []
-    for proc in procs:
+    for pid in pids:
         try:
-            parent = psutil.Process(proc.pid)
+            parent = psutil.Process(pid)
             tree += [parent, *parent.children(recursive=True)]
         except psutil.NoSuchProcess:
             continue
-    for process in tree:
+    return tree
+
+
+def end_processes(processes: list, grace_s: float = STOP_GRACE_S) -> list:
+    """SIGTERM to each of `processes` (psutil's), SIGKILL to those still alive after `grace_s`.
+    Returns those alive even after that (none, unless the kernel holds one in a write)."""
+    import psutil
+
+    for process in processes:
         try:
             process.terminate()
         except psutil.NoSuchProcess:
             pass
-    _, alive = psutil.wait_procs(tree, timeout=grace_s)
+    _, alive = psutil.wait_procs(processes, timeout=grace_s)
     for process in alive:
         try:
             process.kill()
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(alive, timeout=grace_s)
+    return psutil.wait_procs(alive, timeout=KILLED_WAIT_S)[1]
+
+
+def end_process_trees(procs: list[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
+    """Terminate each process and everything it started, then kill whatever is still alive after `grace_s`."""
+    end_processes(process_trees([proc.pid for proc in procs]), grace_s)
     for proc in procs:
         proc.poll()  # reaped: no zombie left behind
 
