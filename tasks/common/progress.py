@@ -64,7 +64,7 @@ def format_bytes(n: float) -> str:
 
 class Progress:
     def __init__(self, stage: str, total: float, unit: str, callback: ProgressCallback | None = None,
-                 log_every_s: float = 10.0, done: float = 0.0):
+                 log_every_s: float = 10.0, done: float = 0.0, bar: bool = True, rate_from_start: bool = False):
         self.stage, self.total, self.unit = stage, total, unit
         self.callback = callback
         self.log_every_s = log_every_s
@@ -78,9 +78,12 @@ class Progress:
         self._recurring_from = done  # units done at the last one-off wait (a start-up) or the start
         self._paused_over = 0.0  # units done since then by the last pause: the pauses came once per this many
         self._first_estimate: tuple[float, float] | None = None  # (done, elapsed + ETA) of the first ETA given
+        if rate_from_start:  # no warm-up to leave out: the units are worked on side by side from the start
+            self._rate_start = self.clock(self.start)
+            self._samples.append((self._rate_start, done))
         self._last_log = 0.0
         self._bar = None
-        if sys.stderr.isatty():
+        if bar and sys.stderr.isatty():  # bar False: another's lines carry this one (RoundHeartbeat)
             from tqdm import tqdm
 
             self._bar = tqdm(total=total, initial=done, unit=unit, desc=stage, unit_scale=True, dynamic_ncols=True)
@@ -186,6 +189,45 @@ class Heartbeat:
         self._stop.set()
         self._thread.join()
         self._report(final=exc[0] is None)
+
+
+class RoundHeartbeat(Heartbeat):
+    """A Heartbeat for a step done in rounds of countable units (a regeneration chunk: the first answer of
+    every conversation, then every second one...): while a round runs, each line and callback event is
+    the round's Progress, its units done of its total, their rate and the round's ETA, as the step counts
+    them (`count`, from the step's thread); before the first round, and when the step ends, a Heartbeat's
+    elapsed time. A round's last count logs (and calls back) at once."""
+
+    def __init__(self, stage: str, unit: str, callback: ProgressCallback | None = None, every_s: float = 10.0):
+        super().__init__(stage, callback, every_s)
+        self.unit = unit
+        self._round: Progress | None = None
+        self._note = ""
+        self._lock = threading.Lock()  # the step counts in its thread, the heartbeat reads in its own
+
+    def start_round(self, name: str, total: float) -> None:
+        with self._lock:
+            # no lines of its own but its last (the heartbeat's thread writes them every `every_s`); its rate
+            # counts from its start, not from its first unit: a round's units are worked on together from
+            # the start (vLLM's requests, a batch's rows) and several may end at once
+            self._round = Progress(f"{self.stage}, {name}", total, self.unit, self.callback,
+                                   log_every_s=float("inf"), bar=False, rate_from_start=True)
+            self._note = ""
+
+    def count(self, done: float, note: str = "") -> None:
+        """The round's units done so far; `note` (what else was measured) goes with its lines."""
+        with self._lock:
+            self._note = note
+            self._round.update(done - self._round.done, note)
+
+    def event(self, elapsed: float, final: bool | None) -> ProgressEvent:
+        if final is None and self._round is not None:
+            return self._round.event(self._note)
+        return super().event(elapsed, final)
+
+    def _report(self, final: bool | None = None) -> None:
+        with self._lock:
+            super()._report(final)
 
 
 class LoadMonitor(Heartbeat):

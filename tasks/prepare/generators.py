@@ -3,16 +3,28 @@ synthesize.py): vLLM where it imports, transformers `generate` everywhere else. 
 a batch of token-id prompts, optionally each prompt's own limit of new tokens (at most the
 settings' max_new_tokens) and, when sampling, seeds, and returns the generated token ids of each.
 Seeds make sampled output repeatable: vLLM seeds each prompt, transformers each batch (with its
-first prompt's seed), so the same prompts in the same batches give the same tokens on one machine."""
+first prompt's seed), so the same prompts in the same batches give the same tokens on one machine.
+
+While a call runs, a generator's `on_answers` (when set: regeneration's progress lines) hears how
+many of the call's answers are done and how many tokens they hold, as the backend returns them:
+vLLM as each request finishes, transformers after each batch."""
 
 from __future__ import annotations
 
 import logging
+import re
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+
+from tqdm import tqdm
 
 from tasks.common.progress import Heartbeat
 
 log = logging.getLogger(__name__)
+
+# (answers of the call done so far, the tokens they hold: None where the backend did not say)
+AnswersCallback = Callable[[int, int | None], None]
 
 
 class TransformersGenerator:
@@ -55,6 +67,7 @@ class TransformersGenerator:
         self.cache_lengths = sorted({self.cache_positions(w) for w in range(1, max_prompt_len + 1)})
         self.rows = settings.batch_size or (self._rows_that_fit(sum(self.cache_lengths)) if self.cuda else 16)
         self.caches: dict[tuple[int, int], object] = {}  # (rows, positions) -> StaticCache, kept for CUDA graphs
+        self.on_answers: AnswersCallback | None = None
         log.info("transformers generator: %d rows per batch, %s attention, static KV caches of %s positions",
                  self.rows, self.model.config._attn_implementation, self.cache_lengths)
 
@@ -87,6 +100,7 @@ class TransformersGenerator:
         sampling = {"do_sample": True, "temperature": self.settings.temperature} if self.settings.temperature else {
             "do_sample": False}
         rows = self._rows_for(len(prompts))
+        answered = tokens = 0
         for start in range(0, len(order), rows):
             rows_here = order[start: start + rows]
             batch = [prompts[i] for i in rows_here]
@@ -110,6 +124,9 @@ class TransformersGenerator:
                                           max_new_tokens=max(limits[i] for i in rows_here), **sampling)
             for i, row in zip(rows_here, out[:, width:].tolist(), strict=False):
                 outputs[i] = self._read(row)[: limits[i]]
+            if self.on_answers is not None:  # the batch's own rows, not those that filled it up
+                answered, tokens = answered + len(rows_here), tokens + sum(len(outputs[i]) for i in rows_here)
+                self.on_answers(answered, tokens)
         return outputs
 
     def _read(self, answer: list[int]) -> list[int]:
@@ -166,6 +183,7 @@ class VllmGenerator:
                            tensor_parallel_size=settings.tensor_parallel_size or 1,
                            max_model_len=max_model_len, trust_remote_code=trust_remote_code, **memory)
         self.settings = settings
+        self.on_answers: AnswersCallback | None = None
 
     def __call__(self, prompts: list[list[int]], limits: list[int] | None = None,
                  seeds: list[int] | None = None) -> list[list[int]]:
@@ -175,8 +193,35 @@ class VllmGenerator:
         sampling = [SamplingParams(temperature=s.temperature, max_tokens=min(n, s.max_new_tokens), seed=seed)
                     for n, seed in zip(limits or [s.max_new_tokens] * len(prompts), seeds or [0] * len(prompts),
                                        strict=True)]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling, use_tqdm=False)
+        # the bar vLLM fills as requests finish, when someone listens: the outputs are the same either way
+        bar = partial(FinishedRequests, on_answers=self.on_answers) if self.on_answers is not None else False
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling, use_tqdm=bar)
         return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+class FinishedRequests(tqdm):
+    """What vLLM's `LLM.generate` takes as `use_tqdm` (vllm/entrypoints/common/offline.py `_run_engine`,
+    vLLM 0.32), made a callback: it writes nothing, and tells `on_answers` how many requests have
+    finished and the tokens they generated, as they finish. vLLM tells its bar those tokens only as a
+    speed in the postfix it sets before each `update`: their number over `format_dict["elapsed"]`, which
+    reads 1 s here, so the speed is the number (a vLLM that words its postfix otherwise gets its answers
+    counted without tokens). vLLM also wraps the prompts it renders in one ("Rendering prompts"), which
+    only iterates them."""
+
+    OUTPUT_TOKENS = re.compile(r"output: ([0-9.]+) toks/s")
+
+    def __init__(self, *args, on_answers: AnswersCallback, **kwargs):
+        super().__init__(*args, **{**kwargs, "disable": True})  # disabled: no output, iteration passes through
+        self.on_answers, self.postfix = on_answers, None
+
+    @property
+    def format_dict(self) -> dict:
+        return {"n": self.n, "total": self.total, "elapsed": 1.0}
+
+    def update(self, n: float = 1) -> None:
+        self.n += n
+        tokens = self.OUTPUT_TOKENS.search(self.postfix or "")
+        self.on_answers(self.n, round(float(tokens[1])) if tokens else None)
 
 
 def make_generator(verifier_path: str, tokenizer, settings, max_prompt_len: int, trust_remote_code: bool):

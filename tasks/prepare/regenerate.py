@@ -34,10 +34,11 @@ import logging
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 from tasks.common.folder_lock import folder_lock
-from tasks.common.progress import Heartbeat, Progress, ProgressCallback
+from tasks.common.progress import Progress, ProgressCallback, RoundHeartbeat
 from tasks.common.workers import rank_worker_main, run_one_worker
 from tasks.prepare.answer_store import (
     answer_journal,
@@ -54,6 +55,7 @@ from tasks.prepare.chat_template import for_template
 log = logging.getLogger(__name__)
 
 OVERRUN = 16  # tokens generated past max_seq_len (re-tokenizing decoded text can shorten it by a few)
+LINE_EVERY_S = 10.0  # while a chunk is generated, a line and a progress event this often
 
 
 @dataclass(frozen=True)
@@ -101,14 +103,15 @@ class RegenerateReport:
 
 
 def regenerate_chunk(conversations: list[tuple[str, list[dict]]], generate, tokenizer, max_seq_len: int,
-                     report: RegenerateReport, settings, stops: frozenset[int] = frozenset()
-                     ) -> tuple[list[tuple[str, list[dict]]], dict[str, str]]:
+                     report: RegenerateReport, settings, stops: frozenset[int] = frozenset(),
+                     rounds: RoundHeartbeat | None = None) -> tuple[list[tuple[str, list[dict]]], dict[str, str]]:
     """`conversations` are (id, messages). The conversations with their assistant turns rewritten, each from the regenerated conversation
     so far (at most `settings.max_turns` of them; later turns are dropped), and {id: reason} of
     those that failed. An answer cut at its token limit (it did not end with one of `stops`) is
     marked `unfinished`: prepare then supervises no end-of-turn after it.
 
-    Turns go in rounds across the chunk (turn j of every conversation, then turn j + 1)."""
+    Turns go in rounds across the chunk (turn j of every conversation, then turn j + 1); `rounds`, if
+    given, counts each round's answers as the generator returns them."""
     done: dict[str, list[dict]] = {conv_id: [] for conv_id, _ in conversations}
     pending = {conv_id: list(messages) for conv_id, messages in conversations}
     failed: dict[str, str] = {}
@@ -153,11 +156,16 @@ def regenerate_chunk(conversations: list[tuple[str, list[dict]]], generate, toke
         done[conv_id].append(answer)
         report.assistant_turns += 1
 
+    turn = 0
     while pending:
         batch = [(conv_id, p) for conv_id in list(pending) if (p := next_prompt(conv_id)) is not None]
         if not batch:
             break
+        turn += 1
         t0 = time.monotonic()
+        if rounds is not None:
+            rounds.start_round(f"assistant turn {turn}", len(batch))
+            generate.on_answers = partial(count_answers, rounds, t0)
         outputs = generate([p for _, p in batch], [limits[conv_id] for conv_id, _ in batch])
         report.generate_s += time.monotonic() - t0
         for (conv_id, _), tokens in zip(batch, outputs, strict=True):
@@ -169,6 +177,16 @@ def regenerate_chunk(conversations: list[tuple[str, list[dict]]], generate, toke
         report.failed[reason] = report.failed.get(reason, 0) + 1
     finished = [(conv_id, messages) for conv_id, messages in done.items() if conv_id not in failed]
     return finished, failed
+
+
+def count_answers(rounds: RoundHeartbeat, started: float, done: int, tokens: int | None) -> None:
+    """A generator's `on_answers` during a round begun at `started` (time.monotonic()): its answers
+    done, and the tokens they hold (answers still being generated hold more), in the round's lines."""
+    if tokens is None:
+        rounds.count(done)
+        return
+    rate = tokens / max(time.monotonic() - started, 1e-9)
+    rounds.count(done, f"{tokens:,} tokens in the answers done: {rate:,.1f}/s from the turn's start to the latest")
 
 
 def conversations(job: RegenerateJob) -> tuple[list[tuple[str, list[dict]]], dict[str, int]]:
@@ -230,18 +248,20 @@ def regenerate_rank(job: RegenerateJob, rank: int = 0, world_size: int = 1,
         report.backend = generate.name
         progress = Progress("regenerate", report.conversations, "conversation", callback)
         for i, chunk in enumerate(chunks):
-            # a chunk can take minutes: a log line every 10 s says it is being generated (the progress
-            # artifact moves when a chunk is done)
-            with Heartbeat(f"regenerate: chunk {i + 1} of {len(chunks)} ({len(chunk)} conversations)"):
+            # a chunk can take minutes: every LINE_EVERY_S a line and a progress event say how many answers of
+            # its current round are done, their rate and the round's ETA
+            with RoundHeartbeat(f"regenerate: chunk {i + 1} of {len(chunks)} ({len(chunk)} conversations)", "answer",
+                                callback, LINE_EVERY_S) as rounds:
                 finished, failed = regenerate_chunk([(key, messages_of[key]) for key in chunk], generate, tokenizer,
-                                                    job.max_seq_len, report, s, stops)
+                                                    job.max_seq_len, report, s, stops, rounds)
             store.append(*[{"key": key, "messages": m} for key, m in finished],
                          *[{"key": key, "reason": reason} for key, reason in failed.items()])
             report.regenerated += len(finished)
             if i == 0:
                 report.first_chunk_s, report.first_chunk_tokens = report.generate_s, report.generated_tokens
-            progress.update(len(chunk), note=f"{report.generated_tokens / max(report.generate_s, 1e-9):,.0f} "
-                                             "generated tok/s")
+            # forced: the run's own count follows the chunk's last line, in the log and the progress artifact
+            progress.update(len(chunk), force=True, note=f"{report.generated_tokens / max(report.generate_s, 1e-9):,.0f}"
+                                                         " generated tok/s over the chunks done")
         progress.close()
     steady = (f"{report.steady_tokens_per_s:,.0f} generated tokens/s" if report.steady_tokens_per_s
               else "not measured (one chunk: its rate includes loading the verifier)")

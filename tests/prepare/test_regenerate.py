@@ -106,6 +106,77 @@ def test_regeneration_rewrites_answers_with_the_verifier_and_resumes(smollm2, sh
     assert messages[first_answer]["content"] == expected
 
 
+def counted_rounds(events: list, report: dict, chunk: str) -> dict[str, list]:
+    """The progress events of each round of a chunk (every conversation's next assistant turn), after
+    checking that each counts its answers up to the round's total, with a rate, and that
+    the rounds counted every answer generated and, in their last lines, every token."""
+    rounds: dict[str, list] = {}
+    for event in events:
+        if event.unit == "answer":
+            rounds.setdefault(event.stage, []).append(event)
+    assert rounds and all(stage.startswith(f"regenerate: {chunk}, assistant turn ") for stage in rounds)
+    for counted in rounds.values():
+        assert [e.done for e in counted] == sorted(e.done for e in counted)
+        assert counted[-1].done == counted[-1].total  # each round counted to its end
+        assert counted[-1].rate > 0
+    answers = report["assistant_turns"] + report["failed"].get("empty_generation", 0)
+    assert sum(counted[-1].total for counted in rounds.values()) == answers
+    assert sum(int(counted[-1].note.split(" tokens in the answers done")[0].replace(",", ""))
+               for counted in rounds.values()) == report["generated_tokens"] > 0
+    return rounds
+
+
+def test_a_chunk_being_answered_counts_its_rounds_answers_as_they_come_and_changes_none(smollm2, sharegpt, tmp_path,
+                                                                                        monkeypatch):
+    """While a chunk is generated, its lines and progress events say how many answers of the current round
+    are done of how many, their rate and the tokens they hold, as the generator returns them (a fresh
+    clone's run said only "chunk 1 of 1 (158 conversations): 27m31s elapsed" for half an hour); a
+    generator reporting its answers returns the same answers."""
+    from transformers import AutoTokenizer
+
+    from tasks.prepare import regenerate as regeneration
+    from tasks.prepare.generators import TransformersGenerator
+
+    monkeypatch.setattr(regeneration, "LINE_EVERY_S", 0.05)  # lines within a round that takes seconds here
+    # batch_size=1: the generator returns the round's answers one by one
+    settings = RegenerateSettings(enabled=True, backend="transformers", max_new_tokens=8, batch_size=1,
+                                  chunk_size=4, max_turns=2)
+    events = []
+    regenerate(RegenerateJob([sharegpt], 4, smollm2, str(tmp_path / "regen"), 384, settings.model_dump()),
+               in_process=True, callback=events.append)
+    report = json.loads((tmp_path / "regen" / "report.json").read_text())
+    rounds = counted_rounds(events, report, "chunk 1 of 1 (4 conversations)")
+    first = rounds["regenerate: chunk 1 of 1 (4 conversations), assistant turn 1"]
+    assert first[-1].total == 4 and any(0 < e.done < e.total for e in first)  # counted while the round ran
+
+    # the generator reporting its answers (after each batch) returns what it does without
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                             tokenize=True)["input_ids"]
+               for q in ["Hi", "What is the capital of France?", "Name a colour.", "Count to three."]]
+    generator = TransformersGenerator(smollm2, tokenizer, RegenerateSettings(max_new_tokens=8, batch_size=2), 384,
+                                      False)
+    unreported = generator(prompts, [8, 3, 8, 5])
+    heard = []
+    generator.on_answers = lambda done, tokens: heard.append((done, tokens))
+    assert generator(prompts, [8, 3, 8, 5]) == unreported
+    assert heard[-1] == (4, sum(map(len, unreported))) and [done for done, _ in heard] == [2, 4]
+
+
+def test_vllm_counts_a_rounds_answers_and_their_tokens_as_its_requests_finish(smollm2, sharegpt, tmp_path):
+    """vLLM's engine (in the worker process) reports each finished request to the round's count, with the
+    tokens it generated: the worker's progress file (what the flow's progress artifact shows) counts every
+    round to its end and states every token the run generated."""
+    from tasks.common.progress import ProgressEvent
+
+    settings = RegenerateSettings(enabled=True, backend="vllm", max_new_tokens=16, chunk_size=3, max_turns=2)
+    regenerate(RegenerateJob([sharegpt], 3, smollm2, str(tmp_path), 384, settings.model_dump()))
+    report = json.loads((tmp_path / "report.json").read_text())
+    progress_file = tmp_path / "progress" / "rank-0.jsonl"  # the worker's events, every one
+    events = [ProgressEvent(**json.loads(line)) for line in progress_file.read_text().splitlines()]
+    counted_rounds(events, report, "chunk 1 of 1 (3 conversations)")
+
+
 def test_regeneration_attention_generates_what_transformers_sdpa_does(smollm2):
     """The generator's decoding attention (KV heads read once, tasks/prepare/decode_attention.py) on
     left-padded batches over two KV cache sizes: the same greedy answers as transformers' SDPA."""
