@@ -21,6 +21,7 @@ import psutil
 import yaml
 from flow_support import small_config, write_sample_data
 
+from bench.fault_injection.stages import cpu_burner
 from tasks.common.folder_lock import held_by_live_process
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,16 +56,6 @@ def gone(process: psutil.Process) -> bool:
         return True
 
 
-@contextlib.contextmanager
-def cpu_burner():
-    """A process spinning on each core while inside: the stop must keep its promise on a loaded machine."""
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
-    try:
-        yield
-    finally:
-        for spinner in spinners:
-            spinner.kill()
-            spinner.wait()
 
 
 def cli_environment() -> dict[str, str]:
