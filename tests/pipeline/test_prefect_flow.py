@@ -70,7 +70,7 @@ def test_rerun_is_all_cached_and_edited_data_reruns_what_depends_on_it(prefect_a
     capsys.readouterr()
     assert main(["run", str(tmp_path / "run.yaml")]) == 0
     out = capsys.readouterr().out
-    summary = json.loads(out[out.index("{"): out.rindex("}") + 1])
+    summary = json.loads(out[out.index("{"): out.index("\neagle3-pipeline: done")])
     assert summary["verifier"].endswith("smollm2-135m-instruct") and Path(summary["verifier"]).is_dir()
     assert all(summary[key]["from_cache"] for key in ("prepared", "extracted", "vocab", "trained", "validated"))
     assert summary["extracted"]["manifest"] == first["extracted"].manifest

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tasks.train.tracking import TrainingLog, read_metrics
@@ -13,6 +15,10 @@ def test_a_resumed_log_hides_what_the_killed_process_wrote_past_its_checkpoint(t
         killed.write({"split": "train", "step": step, "loss": 10.0 - step, "lr": 1e-3})
     with (tmp_path / "metrics.jsonl").open("a") as f:
         f.write('{"split": "train", "st')  # the kill cut the next record off
+    # TensorBoard reads event files in name order: the second they were created in, then (one process, one
+    # second) a process-wide counter compared as text, "9" after "10". A resumed run is a new process, a
+    # later second: so here too
+    time.sleep(1.1)
     resumed = TrainingLog(tmp_path, start_step=4)
     for step in range(5, 9):  # the resumed process redoes 5 and 6, with other values
         resumed.write({"split": "train", "step": step, "loss": 100.0 + step, "lr": 1e-3})
