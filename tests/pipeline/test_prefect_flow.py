@@ -50,6 +50,7 @@ def use_cli_prefect_env(monkeypatch, tmp_path) -> None:
         monkeypatch.setenv(name, str(tmp_path / "prefect-home" / name.lower()))
 
 
+@pytest.mark.system  # four whole runs: `make test` runs it, `make test-fast` does not
 def test_rerun_is_all_cached_and_edited_data_reruns_what_depends_on_it(prefect_api, workspace, monkeypatch, capsys,
                                                                        tmp_path):
     from flows.cli import main
@@ -126,6 +127,7 @@ def test_a_streamed_run_keeping_its_shards_is_an_offline_run_cache_hit(prefect_a
     assert offline["trained"].draft_path == trained.draft_path
 
 
+@pytest.mark.system  # three whole runs: `make test` runs it, `make test-fast` does not
 def test_damage_found_after_a_cached_run_is_repaired_by_the_same_command(prefect_api, workspace):
     """A shard flipped in place (size and mtime kept, so only its checksum tells), then a changed
     training setting: training finds it, fails naming it, and the same command again extracts that
@@ -159,6 +161,7 @@ def test_damage_found_after_a_cached_run_is_repaired_by_the_same_command(prefect
     assert (Path(third["vocab"].path) / "d2t.npy").is_file() and third["vocab"].fingerprint == first["vocab"].fingerprint
 
 
+@pytest.mark.system  # a whole run retried: `make test` runs it, `make test-fast` does not
 def test_transient_failure_succeeds_on_retry(prefect_api, workspace):
     """The vocab output folder is blocked (as by a stale mount) until the first attempt failed."""
     from prefect import get_client
@@ -193,6 +196,7 @@ def test_transient_failure_succeeds_on_retry(prefect_api, workspace):
     assert task_states(state.state_details.flow_run_id)["vocab"] == ("Completed", 2)
 
 
+@pytest.mark.system  # a whole run with a kill: `make test` runs it, `make test-fast` does not
 def test_extraction_worker_killed_mid_run_retries_and_resumes(prefect_api, workspace):
     root, data = workspace
     config = small_config(root / "out", data, extract={"aux_layers": [3, 14, 26]})

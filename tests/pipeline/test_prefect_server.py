@@ -21,6 +21,8 @@ from tasks.common.folder_lock import folder_lock, held_by_live_process
 from tasks.common.plots import TRAIN, VAL
 from tasks.prepare.chat_data import Dropped, read_rows
 
+pytestmark = pytest.mark.system  # a Prefect server, a worker and whole runs: `make test` runs it, `make test-fast` does not
+
 ROOT = Path(__file__).resolve().parents[2]
 STAGES = ["prepare", "extract", "vocab", "train", "validate"]
 

@@ -17,6 +17,8 @@ from flow_support import small_config, task_states, write_sample_data
 from tasks.prepare.answer_store import answer_journal
 from tasks.train.checkpoints import checkpoint_dirs
 
+pytestmark = pytest.mark.system  # a regenerating run, damaged and repaired: `make test` runs it, `make test-fast` does not
+
 ROOT = Path(__file__).resolve().parents[2]
 # a small regeneration: 4 conversations, one turn each, in chunks of 2 (a redone chunk is 2 answers)
 REGENERATED_DATA = {"max_rows": 4, "regenerate": {"enabled": True, "backend": "transformers", "max_new_tokens": 4,

@@ -18,11 +18,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import psutil
+import pytest
 import yaml
 from flow_support import small_config, write_sample_data
 
 from bench.fault_injection.stages import cpu_burner
 from tasks.common.folder_lock import held_by_live_process
+
+pytestmark = pytest.mark.system  # whole runs stopped beside a CPU burner: `make test` runs it, `make test-fast` does not
 
 ROOT = Path(__file__).resolve().parents[2]
 STOP_PROMISE_S = 10.0  # README and docs/RELIABILITY.md

@@ -55,6 +55,7 @@ def test_regeneration_generates_on_the_gpus_extraction_uses_unless_told(smollm2,
     assert inherited.out_dir == told.out_dir
 
 
+@pytest.mark.system  # regeneration killed and resumed: `make test` runs it, `make test-fast` does not
 def test_regeneration_rewrites_answers_with_the_verifier_and_resumes(smollm2, sharegpt, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -32,6 +32,7 @@ def test_every_familys_template_gives_the_text_before_a_user_prompt(family, smol
     assert rendered.startswith(prefix) and rendered[len(prefix):].startswith("Plan a trip to Kyoto.")
 
 
+@pytest.mark.system  # synthesis killed, resumed, answered: `make test` runs it, `make test-fast` does not
 def test_synthesis_resumes_after_a_kill_reports_what_it_kept_and_regeneration_answers_the_prompts(smollm2, tmp_path):
     settings = SynthesizeSettings(prompts=5, chunk_size=3, max_prompt_tokens=40)
     generation = RegenerateSettings(enabled=True, backend="transformers", batch_size=3)

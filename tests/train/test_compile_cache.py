@@ -11,9 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tasks.train.compile_cache import CompileCache
+
+pytestmark = pytest.mark.system  # compiles the draft twice: `make test` runs it, `make test-fast` does not
 
 ROOT = Path(__file__).resolve().parents[2]
 

