@@ -15,6 +15,8 @@ import logging
 import os
 import shutil
 import tempfile
+import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,9 +28,12 @@ from tasks.common.vllm_support import EXTRACTION_ADVICE, eagle3_support
 from tasks.prepare.chat_data import (
     DATA_SUFFIXES,
     DataSourceError,
+    Dropped,
     data_source,
     dataset_columns,
     is_dataset_folder,
+    read_conversation,
+    read_rows,
     source_files,
 )
 
@@ -99,6 +104,33 @@ def check_data(config) -> None:
     if not has_data and not config.data.synthesize.prompts:  # with none, the verifier's own prompts are the data
         raise PreflightError(f"data.sources {config.data.sources} hold no data (no non-empty "
                              f"{', '.join(DATA_SUFFIXES)} file)")
+    if not config.data.synthesize.prompts:
+        check_rows(config)
+
+
+SMALL_DATA_BYTES = 64 * 2**20  # sources this small are read here, in seconds: what could they hold that prepare keeps
+ROW_CHECK_BUDGET_S = 3.0
+
+
+def check_rows(config) -> None:
+    """Small local sources read row by row before any stage: data with no usable conversation (garbage,
+    system turns alone) fails here, with the counts by reason, not after the flow's start. Larger data, Hub
+    datasets, or a read past the time budget are left to prepare (which drops and counts the same rows)."""
+    files = [f for source in map(data_source, config.data.sources) for f in source_files(source)]
+    if any(hub_snapshot(f) or f.is_dir() for f in files) or sum(f.stat().st_size for f in files) > SMALL_DATA_BYTES:
+        return
+    dropped: Counter[str] = Counter()
+    deadline = time.monotonic() + ROW_CHECK_BUDGET_S
+    for row in read_rows(config.data.sources, config.data.max_rows):
+        conversation = row.data if isinstance(row.data, Dropped) else read_conversation(
+            row.data, prompt_only_ok=config.data.regenerate.enabled)
+        if not isinstance(conversation, Dropped):
+            return  # one usable row: prepare decides the rest
+        dropped[conversation.reason] += 1
+        if time.monotonic() > deadline:
+            return
+    raise PreflightError(f"data.sources hold no usable conversation: {sum(dropped.values())} rows read, dropped "
+                         f"{dict(dropped)}")
 
 
 def check_writable(folder: Path, what: str) -> None:

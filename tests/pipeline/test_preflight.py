@@ -35,6 +35,8 @@ def test_each_problem_is_named_in_one_line_before_any_work(setup, capsys):
     tmp_path, config = setup
     (tmp_path / "empty.jsonl").write_text("\n")
     (tmp_path / "a-file").write_text("")
+    (tmp_path / "unusable.jsonl").write_text("not json at all\n" + json.dumps(
+        {"messages": [{"role": "system", "content": "You are helpful."}]}) + "\n")
     cases = [
         (["verifier.path=" + str(tmp_path / "no-such-model")], "verifier folder not found"),
         (["data.sources=[" + str(tmp_path / "missing.jsonl") + "]"], "data source not found: " + str(tmp_path)),
@@ -46,6 +48,7 @@ def test_each_problem_is_named_in_one_line_before_any_work(setup, capsys):
         (["output_dir=" + str(tmp_path / "a-file" / "out")], "a-file is a file, not a folder"),
         (["validation.live=auto", "validation.prompts=" + str(tmp_path / "prompts.jsonl")], "validation.prompts"),
         (["train.init_from=" + str(tmp_path)], f"init_from {tmp_path}"),  # a folder that is no draft
+        (["data.sources=[" + str(tmp_path / "unusable.jsonl") + "]"], "hold no usable conversation: 2 rows read"),
     ]
     for overrides, expected in cases:
         code, err = run_cli(tmp_path, config, capsys, *overrides)
