@@ -103,6 +103,8 @@ def start_run_server(home: Path) -> subprocess.Popen | None:
             with urllib.request.urlopen(f"{api}/health", timeout=2) as response:
                 if response.status == 200:
                     os.environ["PREFECT_API_URL"] = api
+                    # no UI on the run's server: no "View at http://..." line whose link would answer 404
+                    os.environ.setdefault("PREFECT_UI_URL", "")
                     return server
         except OSError:
             pass
