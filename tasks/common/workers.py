@@ -41,6 +41,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -86,15 +87,20 @@ class ProgressFile:
 def merge_progress(events: list, work: str = "extract") -> ProgressEvent | None:
     """One event for all workers: their `work` (the stage their events name: extract, regenerate)
     summed, or while none has started it, the first worker's (a load; the only event of a single
-    process)."""
+    process). Only counts of one unit add up: a regeneration worker inside a round counts answers,
+    one between chunks conversations, so where they differ the unit most workers count is summed,
+    and the note says how many of the workers that covers."""
     started = [e for e in events if e is not None]
     events = [e for e in started if e.stage.startswith(work)]
     if not events:
         return started[0] if started else None
-    rate = sum(e.rate or 0 for e in events) or None
-    done, total = sum(e.done for e in events), sum(e.total for e in events)
-    return ProgressEvent(work, done, total, events[0].unit, rate, (total - done) / rate if rate else None,
-                         max(e.elapsed_s for e in events), f"{len(events)} workers")
+    unit = Counter(e.unit for e in events).most_common(1)[0][0]
+    counted = [e for e in events if e.unit == unit]
+    rate = sum(e.rate or 0 for e in counted) or None
+    done, total = sum(e.done for e in counted), sum(e.total for e in counted)
+    workers = f"{len(counted)} workers" if len(counted) == len(events) else f"{len(counted)} of {len(events)} workers"
+    return ProgressEvent(work, done, total, unit, rate, (total - done) / rate if rate else None,
+                         max(e.elapsed_s for e in events), workers)
 
 
 class WorkerFailed(RuntimeError):

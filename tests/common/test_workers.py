@@ -8,7 +8,8 @@ import pytest
 
 from tasks.common.errors import is_deterministic
 from tasks.common.journal import DiskWriteError
-from tasks.common.workers import errors_file, run_processes
+from tasks.common.progress import ProgressEvent
+from tasks.common.workers import errors_file, merge_progress, run_processes
 
 FULL_DISK_WORKER = """
 import resource, sys
@@ -71,3 +72,19 @@ def test_a_failed_workers_error_names_its_log_file_with_its_last_lines(tmp_path)
     with pytest.raises(Exception, match=r"exited with code 9 .*progress-rank0\.log") as raised:
         run_processes([[sys.executable, "-c", script]], [progress], None, poll_s=0.1, label="test worker")
     assert "the last words before the crash" in "\n".join(raised.value.__notes__)
+
+
+def test_merged_progress_adds_counts_of_one_unit_and_says_how_many_workers_they_cover():
+    """Three regeneration ranks: two inside a round count answers, one between chunks counts conversations
+    (tasks/prepare/regenerate.py); the merged line adds the answers and says it covers 2 of the 3 workers."""
+    in_round = [ProgressEvent("regenerate: chunk 1 of 2 (64 conversations), round 1", 40, 64, "answer", 4.0, 6.0, 30.0),
+                ProgressEvent("regenerate: chunk 2 of 3 (64 conversations), round 1", 10, 64, "answer", 2.0, 27.0, 35.0)]
+    between = ProgressEvent("regenerate", 64, 192, "conversation", 1.5, 85.0, 50.0)
+    merged = merge_progress([*in_round, between, None], "regenerate")
+    assert (merged.unit, merged.done, merged.total, merged.rate) == ("answer", 50, 128, 6.0)
+    assert merged.eta_s == pytest.approx(78 / 6.0) and merged.elapsed_s == 50.0
+    assert merged.note == "2 of 3 workers"
+    alone = merge_progress([between, ProgressEvent("regenerate", 0, 128, "conversation", None, None, 5.0)], "regenerate")
+    assert (alone.done, alone.total, alone.rate, alone.eta_s, alone.note) == (64, 320, 1.5, 256 / 1.5, "2 workers")
+    loading = ProgressEvent("load SmolLM2", 0.1, 0.27, "GB", None, None, 3.0)
+    assert merge_progress([None, loading], "regenerate") == loading  # no worker has started: the first one's event
