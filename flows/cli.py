@@ -36,6 +36,7 @@ from tasks.common.config import ConfigError, load_config
 from tasks.common.demo_assets import resolve_config
 from tasks.common.errors import PermanentError, describe, is_deterministic
 from tasks.common.folder_lock import FolderLockedError, folder_lock, refuse_if_busy
+from tasks.common.refusals import exits_on_refusal, refusal_exit
 from tasks.preflight import check_before_run, check_data, check_writable
 from tasks.prepare.chat_data import source_name
 
@@ -149,12 +150,8 @@ def command(argv: list[str] | None) -> int:
         if args.command == "plan":
             return print_plan(resolved, args.gpu_tflops, args.disk_gb_per_s, args.json, args.keep)
         check_before_run(resolved)
-    except PermanentError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except FolderLockedError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 3
+    except (PermanentError, FolderLockedError) as e:
+        return refusal_exit(e)
 
     output.mkdir(parents=True, exist_ok=True)
     prefect_home = use_private_prefect_home(output)
@@ -180,12 +177,8 @@ def run_flow(pipeline, config, resolved, output: Path, prefect_home: Path, log_f
         with folder_lock(output, "eagle3-pipeline"):  # one run per output folder (and its Prefect database)
             run_began()
             state = pipeline(config, return_state=True)
-    except FolderLockedError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 3
-    except PermanentError as e:  # the folder's lock file is read-only
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (PermanentError, FolderLockedError) as e:  # another run holds the folder, or its lock file is read-only
+        return refusal_exit(e)
     except Stopped as stop:  # the stage has unwound: the rest of the run ends, then this process
         end_stopped_run(stop)
     stages = stage_runs(state.state_details.flow_run_id)
@@ -254,29 +247,23 @@ def add_drafts_parser(sub) -> None:
                             "(instead of a config)")
 
 
+@exits_on_refusal
 def drafts(args) -> int:
     """`drafts list | promote N | rollback`: 0 done; 2 refused, why in one `error:` line; 3 the registry in use."""
     from tasks.registry.listing import table
     from tasks.registry.picture import draw_acceptance
     from tasks.registry.promotion import promote, rollback
 
-    try:
-        if (args.config is None) == (args.registry is None):
-            raise ConfigError("drafts: name the registry, by its folder (--registry DIR) or by a config (CONFIG.yaml)")
-        registry = Path(args.registry) if args.registry else load_config(args.config).registry_path
-        if args.action == "list":
-            print(table(registry))
-            return 0
-        if args.action == "promote":
-            version, done = promote(registry, args.version, args.reason), "promoted"
-        else:
-            version, done = rollback(registry, args.reason), "rolled back to"
-    except PermanentError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except FolderLockedError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 3
+    if (args.config is None) == (args.registry is None):
+        raise ConfigError("drafts: name the registry, by its folder (--registry DIR) or by a config (CONFIG.yaml)")
+    registry = Path(args.registry) if args.registry else load_config(args.config).registry_path
+    if args.action == "list":
+        print(table(registry))
+        return 0
+    if args.action == "promote":
+        version, done = promote(registry, args.version, args.reason), "promoted"
+    else:
+        version, done = rollback(registry, args.reason), "rolled back to"
     print(f"{done} version {version.number}: {registry / 'current'} -> {version.path}")
     print(f"serve it with: {version.serve_command()}")
     print(f"acceptance across versions: {draw_acceptance(registry)}")

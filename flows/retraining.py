@@ -98,8 +98,9 @@ def drift_task(config: PipelineConfig, prepared: PreparedData, extracted: Extrac
 
 @dataclass(frozen=True)
 class Promotion:
+    """The version the run made current (a run whose draft is not promoted fails: NotPromoted)."""
+
     version: int
-    promoted: bool
     why: str
     registry: str
     serve_command: str
@@ -148,4 +149,4 @@ def promote_task(config: PipelineConfig, prepared: PreparedData, extracted: Extr
         raise NotPromoted(f"version {version.number} is registered in {registry} but not made current: {why}")
     get_run_logger().info("registry %s: version %d is current (%s); serve it with: %s", registry, version.number, why,
                           version.serve_command())
-    return Promotion(version.number, promoted, why, str(registry), version.serve_command())
+    return Promotion(version.number, why, str(registry), version.serve_command())

@@ -19,14 +19,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tasks.common.errors import PermanentError
-from tasks.common.folder_lock import FolderLockedError, busy, folder_lock, held_by_live_process
+from tasks.common.folder_lock import busy, folder_lock, held_by_live_process
 from tasks.common.progress import format_bytes
+from tasks.common.refusals import exits_on_refusal
 from tasks.extract.shards import QUARANTINE_SUFFIX, ShardError, read_manifest
 
 STAGE_FOLDERS = ("prepared", "regenerated", "vocab", "train", "validation", "synthesized")
@@ -138,16 +138,11 @@ def remove(path: Path, dry_run: bool) -> tuple[int, int]:
     return len(sizes), sum(sizes)
 
 
+@exits_on_refusal
 def gc_command(output_dir: str, *, dry_run: bool, keep_runs: int, registry: str | None) -> int:
-    """The CLI's `gc`: prints what was (or would be) removed; 2 when nothing could be, 3 when a run holds the folder."""
-    try:
-        collection = collect(output_dir, dry_run=dry_run, keep_runs=keep_runs, registry=registry)
-    except GcError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except FolderLockedError as e:
-        print(f"error: {e}; nothing was removed", file=sys.stderr)
-        return 3
+    """The CLI's `gc`: prints what was (or would be) removed; refused (2, GcError) or a run holds the folder
+    (3): nothing was removed."""
+    collection = collect(output_dir, dry_run=dry_run, keep_runs=keep_runs, registry=registry)
     output = Path(output_dir).resolve()
     for path, (files, size) in collection.removed.items():
         print(f"{'would remove' if dry_run else 'removed'} {path.relative_to(output)} ({files} files, "

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.common.folder_lock import FolderLockedError, folder_lock
+from tasks.common.errors import PermanentError
+from tasks.common.folder_lock import folder_lock
 from tasks.common.journal import Journal, record_checksum
+from tasks.common.refusals import exits_on_refusal
 from tasks.common.sealed import damage
 from tasks.extract.shards import QUARANTINE_SUFFIX, ShardError, ShardReader, quarantined_shards, shard_journal
 from tasks.prepare.answer_store import answer_journal
@@ -39,23 +40,22 @@ DAMAGED_FOLDER = "damaged"  # a training folder's checkpoints and drafts moved a
 ANSWER_PARTS, PROMPT_PARTS = "regenerated/answers-*/parts", "synthesized/*/parts"
 
 
+class NotAnOutputFolder(PermanentError, ValueError):
+    """`verify` was given a path that holds no pipeline outputs."""
+
+
+@exits_on_refusal
 def verify_command(output_dir: str) -> int:
     """`eagle3-pipeline verify OUTPUT_DIR`: one line per problem and the command that repairs them all.
     0 all is well; 1 damage found (moved aside); 2 not an output folder; 3 a run holds the folder."""
     out = Path(output_dir).resolve()
     if not out.is_dir():
-        print(f"error: {out} is not a folder", file=sys.stderr)
-        return 2
+        raise NotAnOutputFolder(f"{out} is not a folder")
     if not any((out / stage).is_dir() for stage in ("hidden_states", "train", "vocab", "regenerated", "synthesized")):
-        print(f"error: {out} holds no pipeline outputs (hidden_states/, train/, vocab/, regenerated/, "
-              "synthesized/): give a config's output_dir", file=sys.stderr)
-        return 2
-    try:
-        with folder_lock(out, "eagle3-pipeline verify"):  # no run moves files while they are checked
-            problems = scrub(out)
-    except FolderLockedError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 3
+        raise NotAnOutputFolder(f"{out} holds no pipeline outputs (hidden_states/, train/, vocab/, regenerated/, "
+                                "synthesized/): give a config's output_dir")
+    with folder_lock(out, "eagle3-pipeline verify"):  # no run moves files while they are checked
+        problems = scrub(out)
     for problem in problems:
         print(problem.line())
     if not problems:

@@ -1,5 +1,5 @@
 """What every stage uses: the configuration (config.py), which errors a retry cannot change
-(errors.py), worker subprocesses and their progress files (workers.py), progress, rates and ETAs
+(errors.py) and how a command ends when refused (refusals.py), worker subprocesses and their progress files (workers.py), progress, rates and ETAs
 (progress.py), one run per folder (folder_lock.py), append-only journals of finished work
 (journal.py), the verifier read from its folder without loading it (verifier.py), what the
 installed vLLM supports (vllm_support.py), the demo's model and data (demo_assets.py), Hugging Face
