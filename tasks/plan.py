@@ -9,8 +9,10 @@ no model load, no GPU; deployments/verifiers/ holds such folders for the presets
     extracts every epoch while training, at the pace of the slower
 
 - First, before tokenizing anything, it asks whether the installed vLLM can serve the verifier with
-  an EAGLE-3 draft (tasks/preflight.py): a run that requires live validation and could not have it
-  is refused at once, one that only wants it is warned.
+  an EAGLE-3 draft (tasks/preflight.py): its model class, and for a multimodal wrapper whether vLLM's
+  engine can build the processor from the folder's files. A run that requires live validation and
+  could not have it is refused at once; for one that only wants it, the plan says validation will be
+  static only, and why.
 - A folder without tokenizer files is tokenized by a stand-in (the demo's SmolLM2 tokenizer under
   the folder's own chat template where it ships one); the output says which tokenizer counted.
 - The tokenized data goes to a temporary folder, removed after, unless `keep` (then under
@@ -34,6 +36,7 @@ from pathlib import Path
 import torch
 
 from tasks.common.config import PipelineConfig
+from tasks.common.hub import hub_snapshot
 from tasks.common.progress import format_bytes, format_seconds
 from tasks.common.verifier import (
     TOKENIZER_FILES,
@@ -328,12 +331,21 @@ def size_run(config: PipelineConfig, gpu_tflops: float = H100_BF16_TFLOPS, keep:
 
 
 def serving_line(config: PipelineConfig, verifier: VerifierInfo) -> str:
-    """What live validation will do; a PreflightError when it is required and cannot run."""
+    """What live validation will do, from the model class and what vLLM's engine loads for it at start (a
+    multimodal wrapper's processor files); a PreflightError when it is required and cannot run."""
     if config.validation.live == "skip":
         return "skipped (validation.live: skip)"
-    skipped = check_live_validation(config)
+    # a folder without weights that is no Hub snapshot is a config-only one (deployments/verifiers/): the run
+    # uses another, and the files vLLM's engine loads from that one cannot be checked here
+    config_only = not verifier.weight_files and hub_snapshot(verifier.path) is None
+    skipped = check_live_validation(config, engine_files=not config_only)
     if skipped:
         log.warning("%s", skipped)
         return skipped
     support = eagle3_support(verifier)
-    return f"vLLM {support.vllm} serves {support.model_class} with an EAGLE-3 draft"
+    line = f"vLLM {support.vllm} serves {support.model_class} with an EAGLE-3 draft"
+    if support.multimodal and config_only:
+        line += (f"; its engine also builds this multimodal model's processor at start, from the run's verifier "
+                 f"folder (its processor and tokenizer files): {verifier.path} holds no weights, so its own files "
+                 "were not checked")
+    return line

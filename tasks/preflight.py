@@ -4,7 +4,8 @@ A run that would fail on a missing folder, an unreadable file, an empty data sou
 unwritable output folder or auxiliary layers outside the verifier's depth fails here, in a
 second, with one message naming the problem, instead of minutes later in a stage (and its
 retries). So does a run whose draft vLLM could not serve for live validation when that is
-required (where it is only wanted, the run goes on with a warning and validation skips serving).
+required (where it is only wanted, the run goes on with a warning and validation runs its static checks
+only): its model class, and for a multimodal wrapper the processor files vLLM's engine loads at start.
 Takes a config whose `demo://` paths are resolved (tasks/common/demo_assets.py).
 """
 
@@ -24,7 +25,7 @@ from tasks.common.errors import PermanentError
 from tasks.common.hub import hub_snapshot
 from tasks.common.progress import format_bytes
 from tasks.common.verifier import TOKENIZER_FILES, check_tokenizer_files, inspect_verifier, read_config, text_config
-from tasks.common.vllm_support import EXTRACTION_ADVICE, eagle3_support
+from tasks.common.vllm_support import EXTRACTION_ADVICE, serving_problem
 from tasks.prepare.chat_data import (
     DATA_SUFFIXES,
     DataSourceError,
@@ -147,28 +148,30 @@ def check_writable(folder: Path, what: str) -> None:
         raise PreflightError(f"{what} {folder} is not writable: {e.strerror or e} ({existing})") from None
 
 
-def check_live_validation(config) -> str | None:
-    """Whether vLLM here can serve the verifier with an EAGLE-3 draft, as validation.live asks:
-    raises when it is required and cannot; returns the reason live validation will be skipped
-    when it is only wanted (`auto`), None when it will run or is not asked for."""
+def check_live_validation(config, engine_files: bool = True) -> str | None:
+    """Whether vLLM here can serve the verifier with an EAGLE-3 draft, as validation.live asks (its
+    model class, and with `engine_files` a multimodal wrapper's processor files: tasks/common/vllm_support.py
+    `serving_problem`): raises when it is required and cannot; returns the reason validation will be
+    static only when live validation is only wanted (`auto`), None when it will run or is not asked for."""
     if config.validation.live == "skip":
         return None
-    support = eagle3_support(inspect_verifier(config.verifier.path))
-    if support.supported:
+    problem = serving_problem(inspect_verifier(config.verifier.path), config.verifier.trust_remote_code,
+                              engine_files)
+    if problem is None:
         return None
     if config.validation.live == "required":
-        raise PreflightError(f"validation.live: required, but {support.problem}; set validation.live: auto to "
+        raise PreflightError(f"validation.live: required, but {problem}; set validation.live: auto to "
                              "train anyway and validate statically, or skip")
-    return f"{support.problem}: live validation will be skipped (validation.live: auto)"
+    return f"{problem}: validation will run the static checks only (validation.live: auto)"
 
 
 def check_vllm_extraction(config) -> None:
-    """extract.backend: vllm needs a vLLM that serves the verifier with EAGLE-3 drafts."""
+    """extract.backend: vllm needs a vLLM that serves the verifier with EAGLE-3 drafts (and starts its engine)."""
     if config.extract.backend != "vllm":
         return
-    support = eagle3_support(inspect_verifier(config.verifier.path))
-    if not support.supported:
-        raise PreflightError(f"extract.backend: vllm, but {support.problem}; {EXTRACTION_ADVICE}")
+    problem = serving_problem(inspect_verifier(config.verifier.path), config.verifier.trust_remote_code)
+    if problem:
+        raise PreflightError(f"extract.backend: vllm, but {problem}; {EXTRACTION_ADVICE}")
 
 
 def check_before_run(config) -> None:

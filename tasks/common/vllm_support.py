@@ -9,6 +9,12 @@ An architecture vLLM does not have, or whose code needs a package that is not in
 Llava needs torchvision), is named in a VerifierError instead of vLLM's "failed to be inspected".
 The EAGLE-3 lookup imports vLLM in a subprocess (a few seconds; never in the flow's own process)
 and remembers its answer per vLLM version and architecture in the pipeline's cache folder.
+
+The architecture is not all an engine loads: for a multimodal wrapper (Kimi-K2.5, Qwen-VL) vLLM's
+engine builds the model's processor at start, from the folder's processor and tokenizer files, and a
+folder without them passes the lookup and fails after training ("OSError: Can't load image processor").
+`serving_problem` also asks vLLM to build that processor, as its engine does, in a subprocess; the
+answer is remembered per folder state (its files' names, sizes and times; the weights aside).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from dataclasses import asdict, dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from tasks.common.verifier import VerifierError, VerifierInfo
+from tasks.common.verifier import WEIGHT_SUFFIXES, VerifierError, VerifierInfo, check_tokenizer_files
 
 
 def vllm_available() -> bool:
@@ -136,6 +142,30 @@ class Eagle3Support:
     model_class: str | None  # the class vLLM resolves the architecture to, where it could
     supported: bool
     problem: str = ""  # why not, in one sentence naming the class, the version and the supported families
+    multimodal: bool = False  # the class implements vLLM's SupportsMultiModal: its engine loads a processor
+
+
+def ask_vllm(args: list[str], key: str) -> dict | str:
+    """This module's probe (`python -m tasks.common.vllm_support ARGS`) run in a subprocess, offline: its
+    answer, remembered under `key` (with the installed vLLM's version) in the pipeline's cache folder; or
+    why it gave none (not remembered: a retry may get one)."""
+    from tasks.common.demo_assets import cache_dir
+
+    cache = cache_dir() / "vllm-eagle3-support.json"
+    known = json.loads(cache.read_text()) if cache.is_file() else {}
+    probe_code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]  # an answer worded by this code
+    key = f"{installed_vllm()}:{key}:{probe_code}"
+    if key not in known:
+        probe = subprocess.run([sys.executable, "-m", "tasks.common.vllm_support", *args], capture_output=True,
+                               text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        if probe.returncode != 0 or not probe.stdout.strip():
+            return ((probe.stderr or probe.stdout).strip().splitlines()[-1:] or ["no output"])[0]
+        known[key] = json.loads(probe.stdout.strip().splitlines()[-1])
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f".tmp-{os.getpid()}-{cache.name}")  # processes asking at once each write whole
+        tmp.write_text(json.dumps(known, indent=1))
+        tmp.replace(cache)
+    return known[key]
 
 
 def eagle3_support(verifier: VerifierInfo) -> Eagle3Support:
@@ -143,24 +173,42 @@ def eagle3_support(verifier: VerifierInfo) -> Eagle3Support:
     installed = installed_vllm()
     if installed is None:
         return Eagle3Support(None, arch, None, False, "vLLM is not installed here")
-    from tasks.common.demo_assets import cache_dir
+    answer = ask_vllm([arch], arch)
+    if isinstance(answer, str):
+        return Eagle3Support(installed, arch, None, False, f"vLLM {installed} could not be asked ({answer})")
+    return Eagle3Support(**answer)
 
-    cache = cache_dir() / "vllm-eagle3-support.json"
-    known = json.loads(cache.read_text()) if cache.is_file() else {}
-    probe_code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]  # an answer worded by this code
-    key = f"{installed}:{arch}:{probe_code}"
-    if key not in known:
-        probe = subprocess.run([sys.executable, "-m", "tasks.common.vllm_support", arch], capture_output=True,
-                               text=True, timeout=300)
-        if probe.returncode != 0 or not probe.stdout.strip():
-            tail = (probe.stderr or probe.stdout).strip().splitlines()[-1:] or ["no output"]
-            return Eagle3Support(installed, arch, None, False, f"vLLM {installed} could not be asked ({tail[0]})")
-        known[key] = json.loads(probe.stdout.strip().splitlines()[-1])
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_name(f".tmp-{os.getpid()}-{cache.name}")  # processes asking at once each write whole
-        tmp.write_text(json.dumps(known, indent=1))
-        tmp.replace(cache)
-    return Eagle3Support(**known[key])
+
+# the start of every reason the processor check gives
+ENGINE_WILL_NOT_START = "vLLM will not start this verifier's engine: "
+# transformers' OSError for a folder without a file: "Can't load image processor for '<folder>'. ... make
+# sure '<folder>' is the correct path to a directory containing a preprocessor_config.json file"
+MISSING_FILE = re.compile(r"Can't load (?P<what>[\w ]+?) for '.*containing an? (?P<file>[\w.-]+) file", re.S)
+
+
+def serving_problem(verifier: VerifierInfo, trust_remote_code: bool, engine_files: bool = True) -> str | None:
+    """Why vLLM will not serve the verifier with an EAGLE-3 draft, None where it will: its model class
+    (eagle3_support), then, for a multimodal one and with `engine_files`, the processor its engine builds
+    at start from the folder's files."""
+    support = eagle3_support(verifier)
+    if not support.supported:
+        return support.problem
+    if not support.multimodal or not engine_files:
+        return None
+    folder = verifier.path
+    try:  # the processor is built with the tokenizer: a folder without one is named without asking vLLM
+        check_tokenizer_files(folder, trust_remote_code)
+    except VerifierError as e:
+        return f"{ENGINE_WILL_NOT_START}{e}"
+    # the folder's state as the processor sees it: every file but the weights (which the engine loads later)
+    state = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.iterdir()
+                   if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES))
+    key = json.dumps([str(folder), str(folder.resolve()), trust_remote_code, state])
+    answer = ask_vllm(["--processor", str(folder), *(["--trust-remote-code"] if trust_remote_code else [])],
+                      f"processor:{hashlib.sha256(key.encode()).hexdigest()[:16]}")
+    if isinstance(answer, str):
+        return f"vLLM {support.vllm} could not be asked whether it starts this verifier's engine ({answer})"
+    return answer["problem"]
 
 
 def eagle3_families() -> list[str]:
@@ -183,7 +231,7 @@ def probe(arch: str) -> dict:
     logging.disable(logging.WARNING)  # vLLM's import-time notes would bury the one line of JSON
     from vllm import __version__
     from vllm.model_executor.models import ModelRegistry
-    from vllm.model_executor.models.interfaces import supports_eagle3
+    from vllm.model_executor.models.interfaces import supports_eagle3, supports_multimodal
 
     families = ", ".join(eagle3_families())
     if arch not in ModelRegistry.get_supported_archs():
@@ -200,12 +248,40 @@ def probe(arch: str) -> dict:
                                     f"vLLM {__version__}'s {name} cannot be loaded here: its code needs the package "
                                     f"'{(e.name or str(e)).split('.')[0]}', which is not installed"))
     if supports_eagle3(cls):
-        return asdict(Eagle3Support(__version__, arch, cls.__name__, True))
+        return asdict(Eagle3Support(__version__, arch, cls.__name__, True, multimodal=supports_multimodal(cls)))
     return asdict(Eagle3Support(__version__, arch, cls.__name__, False,
                                 f"vLLM {__version__}'s {cls.__name__}"
                                 + (f" (for {arch})" if cls.__name__ != arch else "") + " does not serve EAGLE-3 drafts: "
                                 f"its model does not implement SupportsEagle3 (vLLM serves them for {families})"))
 
 
+def processor_probe(folder: str, trust_remote_code: bool) -> dict:
+    """Run in a subprocess, offline: build the multimodal processor of the model in `folder` as vLLM's engine
+    does at start (its InputProcessor's MultiModalBudget: the model's config, the processor its model class
+    registers, the tokens an item of each modality it accepts takes), and say why that fails, if it does."""
+    import logging
+
+    logging.disable(logging.WARNING)
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+    from vllm.multimodal.encoder_budget import get_mm_max_toks_per_item
+
+    try:
+        processor = MULTIMODAL_REGISTRY.create_processor(
+            EngineArgs(model=folder, trust_remote_code=trust_remote_code).create_model_config())
+        modalities = [m for m, limit in processor.info.allowed_mm_limits.items() if limit]
+        get_mm_max_toks_per_item(processor, dict.fromkeys(modalities, 1), cache=None)
+    except Exception as e:  # whatever stops the processor stops the engine: its cause is the answer
+        missing = MISSING_FILE.search(str(e))
+        if missing:
+            return {"problem": f"{ENGINE_WILL_NOT_START}{folder} lacks {missing['file']} (its {missing['what']})"}
+        return {"problem": f"{ENGINE_WILL_NOT_START}its multimodal processor fails to load: "
+                           f"{type(e).__name__}: {' '.join(str(e).split())}"}
+    return {"problem": None}
+
+
 if __name__ == "__main__":
-    print(json.dumps(probe(sys.argv[1])))
+    if sys.argv[1] == "--processor":
+        print(json.dumps(processor_probe(sys.argv[2], "--trust-remote-code" in sys.argv[3:])))
+    else:
+        print(json.dumps(probe(sys.argv[1])))

@@ -127,6 +127,11 @@ def test_a_preset_is_planned_from_its_config_only_folder_and_nothing_is_left_beh
                                          "chat template")
     assert sized["tokens"] > 2_000 and sized["prepared"] is None and sized["estimated_time_on_gpu"]
     assert not out.exists()  # nothing written: no prepared data, no hidden_states folder
+    # both presets require live validation, and vLLM has an EAGLE-3 interface for both classes; Kimi-K2.5's
+    # engine also loads its processor, from files the run's folder holds and this config-only one does not
+    serving = sized["live_validation"]
+    assert "with an EAGLE-3 draft" in serving and serving.endswith(
+        "holds no weights, so its own files were not checked") == (verifier == "kimi-k2.5"), serving
 
 
 def test_a_small_drafts_training_is_planned_at_the_hosts_step_rate_and_streams_at_its_pace(tmp_path, capsys):
