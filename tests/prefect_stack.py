@@ -51,6 +51,7 @@ class PrefectStack:
     project: Path
     port: int = field(default_factory=free_port)
     processes: list[subprocess.Popen] = field(default_factory=list)
+    spawned: dict[str, subprocess.Popen] = field(default_factory=dict)  # by the name their log is written under
 
     @property
     def api(self) -> str:
@@ -73,7 +74,11 @@ class PrefectStack:
         proc = subprocess.Popen([PREFECT, *args], env=self.env, cwd=self.project, stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.processes.append(proc)
+        self.spawned[name] = proc
         return proc
+
+    def log(self, name: str) -> str:
+        return (self.home / f"{name}.log").read_text(errors="replace")
 
     def start(self) -> PrefectStack:
         self.home.mkdir(parents=True, exist_ok=True)
@@ -81,7 +86,7 @@ class PrefectStack:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             if server.poll() is not None:
-                raise RuntimeError(f"prefect server exited:\n{(self.home / 'server.log').read_text()[-3000:]}")
+                raise RuntimeError(f"prefect server exited:\n{self.log('server')[-3000:]}")
             try:
                 if httpx.get(f"{self.api}/health", timeout=2).json() is True:
                     return self

@@ -44,9 +44,12 @@ def stack(tmp_path_factory):
 
 
 def deployment_run(stack: PrefectStack, name: str, config) -> tuple[str | None, str]:
+    """The run created as a user creates it; its id and the command's output. Not `--watch`: that follows the
+    run through Prefect's event stream, whose reconnection replays only the last 60 s of events, so a stall of
+    the server or of the watching command for about a minute around the run's end loses the terminal event and
+    the watch waits out its timeout on a run that has finished (seen here under load; wait_final asks the API)."""
     param = json.dumps(config if isinstance(config, dict) else config.model_dump(mode="json"))
-    proc = stack.cli("deployment", "run", f"eagle3-draft/{name}", "--param", f"config={param}", "--watch",
-                     "--watch-timeout", "900", check=False)
+    proc = stack.cli("deployment", "run", f"eagle3-draft/{name}", "--param", f"config={param}", check=False)
     output = proc.stdout + proc.stderr
     ids = [line.split()[-1] for line in output.splitlines() if "UUID:" in line]
     return (ids[0] if ids else None), output
@@ -67,7 +70,31 @@ def wait_final(stack: PrefectStack, flow_run_id: str) -> str:
         if run["state_type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
             return run["state_name"]
         time.sleep(1)
-    raise TimeoutError(flow_run_id)
+    raise TimeoutError(why_not_final(stack, flow_run_id))
+
+
+def why_not_final(stack: PrefectStack, flow_run_id: str) -> str:
+    """What holds a run that has not ended: its state, the other unfinished runs of its deployment (one
+    holding its concurrency slot), the concurrency limits' taken slots, its tasks, and the worker."""
+    worker = stack.spawned["worker"]
+    lines = [f"worker: {'alive' if worker.poll() is None else f'exited with status {worker.returncode}'}"]
+    try:
+        run = stack.post("/flow_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}}})[0]
+        lines.append(f"flow run {flow_run_id}: {run['state_type']} {run['state_name']!r} "
+                     f"({(run['state'] or {}).get('message')}), created {run['created']}, started {run['start_time']}")
+        if run["deployment_id"]:
+            body = {"deployments": {"id": {"any_": [run["deployment_id"]]}}, "flow_runs": {"state": {"type": {
+                "any_": ["SCHEDULED", "PENDING", "RUNNING", "CANCELLING"]}}}}
+            others = [f"{r['id']} {r['state_name']!r} (expected to start {r['expected_start_time']})"
+                      for r in stack.post("/flow_runs/filter", body) if r["id"] != flow_run_id]
+            lines.append(f"other unfinished runs of its deployment: {others or 'none'}")
+        limits = stack.post("/v2/concurrency_limits/filter", {})
+        lines.append("concurrency limits, slots taken: " + ", ".join(
+            f"{limit['name']} {limit['active_slots']}/{limit['limit']}" for limit in limits))
+        lines.append(f"its tasks: {states(stack, flow_run_id)}")
+    except httpx.HTTPError as e:
+        lines.append(f"the Prefect server did not answer: {e!r}")
+    return "\n".join([*lines, "the worker's log ends:", stack.log("worker")[-3000:]])
 
 
 @pytest.mark.browser
@@ -149,7 +176,7 @@ def test_a_cancel_from_the_ui_ends_every_process_of_the_run_and_marks_it_cancell
                         if "tasks.train.loop" in " ".join(p.info["cmdline"] or []) and str(out) in " ".join(
                             p.info["cmdline"] or []) and list(out.glob("train/*/checkpoints/step-*"))), None)
         time.sleep(1)
-    assert trainer is not None, (stack.home / "worker.log").read_text()[-3000:]
+    assert trainer is not None, stack.log("worker")[-3000:]
     # the flow run's own process (the worker's child) and everything under it
     run_process = next(p for p in [trainer, *trainer.parents()] if p.parent() and "worker" in " ".join(
         p.parent().cmdline()))
@@ -158,13 +185,15 @@ def test_a_cancel_from_the_ui_ends_every_process_of_the_run_and_marks_it_cancell
     cancelled_at = time.monotonic()
     stack.post(f"/flow_runs/{flow_run}/set_state", {"state": {"type": "CANCELLING", "name": "Cancelling"},
                                                      "force": True})
-    assert wait_final(stack, flow_run) == "Cancelled"
     _, alive = psutil.wait_procs(run_tree, timeout=60)
-    assert not alive, [" ".join(p.cmdline()) for p in alive]
-    # the worker looks for cancels every PREFECT_WORKER_QUERY_SECONDS (1 s here), then sends SIGTERM: the run
-    # unwinds in seconds, well inside the worker's 30 s grace after which it SIGKILLs the run's process alone
     took = time.monotonic() - cancelled_at
-    assert took < 15, took
+    assert not alive, [" ".join(p.cmdline()) for p in alive]
+    # the worker looks for cancels every PREFECT_WORKER_QUERY_SECONDS (1 s here), sends the run's process SIGTERM
+    # and SIGKILLs it alone 30 s later: every process gone before then ended on the SIGTERM, the trainer with it.
+    # (Measured to the last process's end, not to the Cancelled state: the worker records that only after it has
+    # imported the flow's module to look for on_cancellation hooks: 16 s on 2 cores at load 16.)
+    assert took < 30, took
+    assert wait_final(stack, flow_run) == "Cancelled"
     for stage_folder in (next(out.glob("hidden_states")), next(out.glob("train/*"))):
         assert held_by_live_process(stage_folder) is False, stage_folder  # free for the next run
     # the stage the cancel interrupted is recorded by Prefect's task engine as Crashed ("Execution was
@@ -190,10 +219,6 @@ def without_the_nightly_runs(stack: PrefectStack, deployment: str) -> None:
             httpx.delete(f"{stack.api}/flow_runs/{run['id']}", timeout=30).raise_for_status()
 
 
-# Seen once in three runs (2026-12-07, after the UI cancel test in the same module): the second run of the
-# deployment never started within 900 s; alone and in the full suite it passes. Not yet understood: the
-# deployment's concurrency slot (concurrency_limit: 1) is the suspect. Runs and asserts; a failure is reported.
-@pytest.mark.xfail(reason="the deployment's second run sometimes never starts (under investigation)", strict=False)
 def test_the_retrain_deployment_does_only_the_new_work_and_promotes(stack, sharegpt, tmp_path):
     """Two runs of `eagle3-retrain` through the server and the process worker: the first trains a draft
     and makes it version 1; a file dropped into the incoming folder, the second extracts only its
