@@ -104,19 +104,33 @@ def choose_k(verifier: str, draft: str, per_position: list[float]) -> tuple[int,
     return best, why
 
 
+def engine_arguments(model: str, draft: str | None, k: int, *, revision: str | None = None,
+                     trust_remote_code: bool = False) -> dict:
+    """vLLM's engine arguments serving `draft` with `model` (the verifier alone where `draft` is None): what
+    the serve line's command and `LLM(...)` form say, and what validation's engines start with
+    (tasks/validate/vllm_live.py), so that what validation measures is what the serve line serves."""
+    arguments: dict = {"model": model}
+    if revision:
+        arguments["revision"] = revision
+    if draft:
+        # the explicit form: without "method", vLLM guesses it from the path
+        arguments["speculative_config"] = {"model": draft, "num_speculative_tokens": k, "method": "eagle3"}
+    if trust_remote_code:
+        arguments["trust_remote_code"] = True
+    return arguments
+
+
 def serve_lines(verifier: str, draft: str, per_position: list[float], *, trust_remote_code: bool = False) -> ServeLine:
     """The `vllm serve` line and `LLM(...)` form serving `draft` (a speculators EAGLE-3 folder) with
     `verifier` (a folder or Hub id), k chosen from vLLM's per-position acceptance (may be empty)."""
     k, why = choose_k(verifier, draft, per_position)
-    # the explicit form validation serves with (tasks/validate/vllm_live.py): without "method", vLLM guesses it
-    speculative_config = {"model": draft, "num_speculative_tokens": k, "method": "eagle3"}
     snapshot = hub_snapshot(verifier)  # a Hub id's snapshot folder: served by its id, pinned to that commit
-    served = snapshot.repo_id if snapshot else verifier
-    pin = ["--revision", snapshot.commit] if snapshot else []
-    args = ["vllm", "serve", served, *pin, "--speculative-config", json.dumps(speculative_config)]
-    keywords = f"model={served!r}, " + (f"revision={snapshot.commit!r}, " if snapshot else "") + \
-        f"speculative_config={speculative_config!r}"
-    if trust_remote_code:
-        args.append("--trust-remote-code")
-        keywords += ", trust_remote_code=True"
+    arguments = engine_arguments(snapshot.repo_id if snapshot else verifier, draft, k,
+                                 revision=snapshot.commit if snapshot else None, trust_remote_code=trust_remote_code)
+    # `vllm serve MODEL --name value ...`: vLLM's flag for each engine argument is its name with dashes
+    args = ["vllm", "serve", arguments["model"]]
+    for name, value in list(arguments.items())[1:]:
+        flag = "--" + name.replace("_", "-")
+        args += [flag] if value is True else [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+    keywords = ", ".join(f"{name}={value!r}" for name, value in arguments.items())
     return ServeLine(command=shlex.join(args), python=f"LLM({keywords})", k=k, why=why)

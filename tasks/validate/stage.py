@@ -6,6 +6,9 @@
    measured acceptance and check that the draft leaves the greedy outputs unchanged.
 3. Optionally the same with a baseline draft (the one deployed now): the stage fails when the
    new draft's acceptance length is more than `max_regression` below it.
+4. The serve line (tasks/validate/serve_line.py): `vllm serve ...` and `LLM(...)` with a k chosen from
+   the acceptance measured in 2, and what vLLM measured serving those very arguments at that k (one
+   more engine where it is not validation's k), its greedy outputs held to the same standard.
 The report is written as JSON and markdown next to each other.
 """
 
@@ -19,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tasks.common.errors import PermanentError
+from tasks.common.hub import hub_snapshot
 from tasks.common.verifier import inspect_verifier
 from tasks.common.vllm_support import eagle3_support
 from tasks.validate.draft_check import EAGLE31_FLAGS, DraftCheckError, check_draft
@@ -88,7 +92,8 @@ def validate(draft: str, verifier_path: str, aux_layers: list[int], settings, ou
         raise ValidationFailed(f"validation.live: required, but {support.problem}")
     if live:
         try:
-            report["live"] = serve_and_measure(draft, verifier_path, settings, out_dir, trust_remote_code)
+            report["live"], report["serve"] = serve_and_measure(draft, verifier_path, settings, out_dir,
+                                                                trust_remote_code)
         except EngineStartError as e:
             if settings.live == "required" or not e.deterministic:  # a transient fault is retried, not hidden
                 raise
@@ -98,8 +103,7 @@ def validate(draft: str, verifier_path: str, aux_layers: list[int], settings, ou
     if not live:
         log.warning("vLLM not run, static checks only (validation.live: %s): %s", settings.live,
                     report["live_skipped"])
-    measured_positions = report.get("live", {}).get("draft", {}).get("per_position_acceptance", [])
-    report["serve"] = asdict(serve_lines(verifier_path, draft, measured_positions, trust_remote_code=trust_remote_code))
+        report["serve"] = asdict(serve_lines(verifier_path, draft, [], trust_remote_code=trust_remote_code))
     try:
         check_live(report, settings)
         report["passed"] = True
@@ -127,7 +131,12 @@ def validate(draft: str, verifier_path: str, aux_layers: list[int], settings, ou
     return result
 
 
-def serve_and_measure(draft: str, verifier_path: str, settings, out_dir: Path, trust_remote_code: bool = False) -> dict:
+def serve_and_measure(draft: str, verifier_path: str, settings, out_dir: Path,
+                      trust_remote_code: bool = False) -> tuple[dict, dict]:
+    """The live section of the report and its serve section: the serve line, with k chosen from the
+    acceptance measured at validation's k, and what vLLM measured serving that line's arguments (at its k:
+    where that is not validation's k, one more engine runs, so that the report states a measurement, not
+    a prediction)."""
     import torch
     from transformers import AutoTokenizer
 
@@ -139,6 +148,10 @@ def serve_and_measure(draft: str, verifier_path: str, settings, out_dir: Path, t
     engine = {"trust_remote_code": trust_remote_code}
     # the draft first: where vLLM cannot serve it, the stage fails before the reference run costs its minute
     drafted = run_engine(verifier_path, draft, prompts_file, k, n, out_dir / "drafted.json", **engine)
+    serve = serve_lines(verifier_path, draft, drafted["spec_decode"]["per_position_acceptance"],
+                        trust_remote_code=trust_remote_code)
+    served = drafted if serve.k == k else run_engine(verifier_path, draft, prompts_file, serve.k, n,
+                                                     out_dir / "served.json", **engine)
     reference = run_engine(verifier_path, None, prompts_file, k, n, out_dir / "reference.json", **engine)
     comparison = compare_outputs(reference["token_ids"], drafted["token_ids"])
     live = {
@@ -157,18 +170,32 @@ def serve_and_measure(draft: str, verifier_path: str, settings, out_dir: Path, t
              "%.1f tokens/s with the draft vs %.1f alone (%.2fx, %s)", live["draft"]["mean_acceptance_length"] or 1.0,
              k, [round(x, 3) for x in live["draft"]["per_position_acceptance"]], live["identical_outputs"],
              drafted["tokens_per_s"], reference["tokens_per_s"], live["speedup"], live["device"])
-    return live
+    served_comparison = compare_outputs(reference["token_ids"], served["token_ids"])
+    measured = {
+        "num_speculative_tokens": serve.k, **served["spec_decode"],
+        "identical_outputs": f"{served_comparison['identical']}/{served_comparison['prompts']}",
+        # how: the serve line's engine arguments, and what the engine added for this machine and the measurement
+        "engine_arguments": served["engine_arguments"], "machine_settings": served["machine_settings"],
+        "prompts_file": str(prompts_file), "max_new_tokens": n, "device": live["device"],
+    }
+    if serve.k != k:
+        log.info("vLLM: at the k the serve line chooses, k=%d: mean acceptance length %.3f, identical greedy "
+                 "outputs %s", serve.k, measured["mean_acceptance_length"] or 1.0, measured["identical_outputs"])
+    return live, {**asdict(serve), "measured": measured}
 
 
 def check_live(report: dict, settings) -> None:
     live = report.get("live")
     if not live:
         return
-    identical, prompts = map(int, live["identical_outputs"].split("/"))
-    if identical < settings.min_identical_outputs * prompts:
-        raise ValidationFailed(f"the draft changed vLLM's greedy outputs on {prompts - identical} of {prompts} "
-                               f"prompts (allowed: {1 - settings.min_identical_outputs:.0%}; bf16 near-ties "
-                               "explain a few)")
+    served = report["serve"]["measured"]
+    for k, outputs in ((live["num_speculative_tokens"], live["identical_outputs"]),
+                       (served["num_speculative_tokens"], served["identical_outputs"])):
+        identical, prompts = map(int, outputs.split("/"))
+        if identical < settings.min_identical_outputs * prompts:
+            raise ValidationFailed(f"the draft changed vLLM's greedy outputs on {prompts - identical} of {prompts} "
+                                   f"prompts at k={k} (allowed: {1 - settings.min_identical_outputs:.0%}; bf16 "
+                                   "near-ties explain a few)")
     baseline = (live.get("baseline") or {}).get("mean_acceptance_length")
     measured = live["draft"]["mean_acceptance_length"] or 1.0
     if baseline and measured < baseline * (1 - settings.max_regression):
@@ -218,7 +245,25 @@ def markdown(report: dict) -> str:
         serve = report["serve"]
         lines += ["", "## Serve it", "", f"{serve['why']}", "", "```bash", serve["command"], "```", "",
                   "```python", "from vllm import LLM", "", f"llm = {serve['python']}", "```"]
+        if serve.get("measured"):
+            lines += ["", served_measurement(serve["measured"], live)]
     return "\n".join(lines) + "\n"
+
+
+def served_measurement(measured: dict, live: dict) -> str:
+    """One paragraph: what vLLM measured serving the serve line's arguments, and how."""
+    k = measured["num_speculative_tokens"]
+    where = ("the measurement above" if k == live["num_speculative_tokens"] else
+             f"one more engine at k={k}, since the measurement above is at k={live['num_speculative_tokens']}")
+    machine = measured["machine_settings"]
+    snapshot = hub_snapshot(measured["engine_arguments"]["model"])
+    these = (f"these arguments, the verifier read from {snapshot}'s snapshot folder" if snapshot else
+             "exactly these arguments")
+    return (f"Measured serving {these} ({where}; vLLM on {measured['device']}, {machine['dtype']}, "
+            f"greedy, the same {live['prompts']} prompts, up to {measured['max_new_tokens']} new tokens): mean "
+            f"acceptance length {fmt(measured['mean_acceptance_length'])} at k={k}, per position "
+            f"{', '.join(fmt(x) for x in measured['per_position_acceptance'])}; greedy outputs identical to the "
+            f"verifier alone {measured['identical_outputs']}.")
 
 
 def fmt(x) -> str:

@@ -5,7 +5,9 @@ by tasks/common/workers.py): vLLM's engine processes, memory and any crash stay 
 goes to a log file next to its result, and its progress (starting the engine, generating) to the
 log. The draft is always given in the explicit form
 `{"method": "eagle3", "model": <draft>, "num_speculative_tokens": k}` (without "method", vLLM
-guesses it from the path; vLLM 0.33 refuses the auto path with a local verifier). Acceptance is
+guesses it from the path; vLLM 0.33 refuses the auto path with a local verifier), the serve line's own
+arguments (tasks/validate/serve_line.py `engine_arguments`), to which an engine adds only what this machine
+and a measurement need (dtype, seed, context length, KV cache; written into its result). Acceptance is
 read from vLLM's own spec-decode counters (`LLM.get_metrics()`):
 - mean acceptance length = 1 + accepted / drafts (the bonus token included);
 - per-position acceptance = accepted at position i / drafts; draft acceptance rate = accepted / drafted.
@@ -27,6 +29,7 @@ from pathlib import Path
 from tasks.common.errors import is_deterministic
 from tasks.common.progress import Heartbeat, ProgressCallback
 from tasks.common.workers import progress_file_callback, reporting_errors, run_processes
+from tasks.validate.serve_line import engine_arguments
 
 log = logging.getLogger(__name__)
 
@@ -99,13 +102,11 @@ def serve_once(verifier: str, draft: str | None, prompts: list[list[int]], k: in
         max_model_len = max(len(p) for p in prompts) + max_new_tokens + k + 1
         # on a CPU, the space every prompt's sequence needs at once (VLLM_CPU_KVCACHE_SPACE, if set, wins)
         memory = {"kv_cache_memory_bytes": cpu_kv_cache_bytes(verifier, len(prompts) * max_model_len)} if on_cpu else {}
-        llm = LLM(
-            model=verifier, dtype=serving_dtype(verifier, on_cpu), seed=0, enforce_eager=on_cpu,
-            disable_log_stats=False,
-            trust_remote_code=trust_remote_code,
-            max_model_len=max_model_len, **memory,
-            speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": k} if draft else None,
-        )
+        # the serve line's arguments (tasks/validate/serve_line.py), and what this machine and a measurement need
+        engine = engine_arguments(verifier, draft, k, trust_remote_code=trust_remote_code)
+        machine = {"dtype": serving_dtype(verifier, on_cpu), "seed": 0, "enforce_eager": on_cpu,
+                   "disable_log_stats": False, "max_model_len": max_model_len, **memory}
+        llm = LLM(**engine, **machine)
     init_s = time.monotonic() - t0
     t0 = time.monotonic()
     with Heartbeat(f"vLLM: generating {len(prompts)} prompts, up to {max_new_tokens} tokens each ({what})", callback):
@@ -115,7 +116,7 @@ def serve_once(verifier: str, draft: str | None, prompts: list[list[int]], k: in
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     result = {"draft": draft, "init_s": round(init_s, 1), "generate_s": round(generate_s, 2),
               "generated_tokens": sum(map(len, tokens)), "tokens_per_s": round(sum(map(len, tokens)) / generate_s, 1),
-              "token_ids": tokens}
+              "token_ids": tokens, "engine_arguments": engine, "machine_settings": machine}
     if draft:
         result["spec_decode"] = spec_decode_counters(llm)
     return result

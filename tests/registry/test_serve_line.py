@@ -3,8 +3,10 @@ command that a shell splits into `vllm serve VERIFIER --speculative-config JSON`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -12,10 +14,37 @@ from tasks.validate.serve_line import (
     K_RANGE,
     conditional_acceptance,
     draft_step_cost,
+    engine_arguments,
     expected_tokens,
     serve_lines,
     weight_bytes,
 )
+from tests.hub_cache import lay_out_repo
+
+
+def serve_engine_arguments(command: str) -> dict:
+    """The engine arguments a shell gives vLLM for `command` (`vllm serve ...`), as vLLM's own CLI reads
+    them: its `serve` parser (built as vllm's main builds it), then AsyncEngineArgs.from_cli_args; the
+    fields the command's arguments change from a bare `vllm serve`'s."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    def engine_args(argv: list[str]):
+        parser = FlexibleArgumentParser(prog="vllm")
+        serve = ServeSubcommand()
+        serve.subparser_init(parser.add_subparsers(dest="subparser"))
+        args = parser.parse_args(argv)
+        if args.model_tag is not None:  # the positional model wins, as ServeSubcommand.cmd has it
+            args.model = args.model_tag
+        serve.validate(args)
+        return AsyncEngineArgs.from_cli_args(args)
+
+    argv = shlex.split(command)  # exactly as a shell splits it
+    assert argv[:2] == ["vllm", "serve"], command
+    given, bare = engine_args(argv[1:]), engine_args(["serve"])
+    return {f.name: getattr(given, f.name) for f in dataclasses.fields(given)
+            if getattr(given, f.name) != getattr(bare, f.name)}
 
 
 @pytest.fixture(scope="module")
@@ -73,3 +102,19 @@ def test_without_a_measurement_the_default_k_is_said(smollm2, draft):
     line = serve_lines(smollm2, draft, [])
     assert json.loads(shlex.split(line.command)[4])["num_speculative_tokens"] == line.k
     assert "no per-position acceptance measured" in line.why
+
+
+def test_vllms_own_parser_reads_the_command_as_the_python_form_says(smollm2, draft, tmp_path):
+    """A local verifier and a Hub id's snapshot (served by its id, pinned to its commit): vLLM's `serve`
+    parser turns the shell line into exactly the engine arguments LLM(...) is given, which are the ones
+    validation's engines start with (engine_arguments). tests/validate/test_vllm_live.py serves them."""
+    hub_id = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    snapshot = lay_out_repo(tmp_path / "hub", "model", hub_id,
+                            {name: (Path(smollm2) / name).read_bytes() for name in ("config.json", "tokenizer.json")})
+    commit = snapshot.name
+    for verifier, trust, model, revision in [(smollm2, True, smollm2, None), (str(snapshot), False, hub_id, commit)]:
+        line = serve_lines(verifier, draft, [0.6, 0.3, 0.12], trust_remote_code=trust)
+        captured = {}
+        eval(line.python, {"LLM": lambda **kwargs: captured.update(kwargs)})
+        expected = engine_arguments(model, draft, line.k, revision=revision, trust_remote_code=trust)
+        assert serve_engine_arguments(line.command) == captured == expected
