@@ -83,6 +83,7 @@ def drift_task(config: PipelineConfig, prepared: PreparedData, extracted: Extrac
         reference_samples=validation_samples(parent_manifest, parent_train["val_fraction"],
                                              by_shard=bool(parent_train.get("shuffle_block_shards"))) if known else None,
         recorded_reference=draft.simulated, threshold=config.retrain.drift_threshold,
+        min_samples=config.retrain.min_drift_samples, min_tokens=config.retrain.min_drift_tokens,
         verifier_changed=lineage["verifier_fingerprint"] != verifier_fingerprint(config.verifier.path),
         ttt_steps=config.train.ttt_steps, total_seq_len=config.train.total_seq_len,
         callback=ProgressArtifact("drift check"))

@@ -348,6 +348,11 @@ class RetrainSettings(Section):
     drift_threshold: float = Field(
         0.05, ge=0, lt=1, description="'drift': the relative drop in simulated acceptance length that calls for "
         "retraining (0.05: the new samples' acceptance is more than 5% below the draft's own validation samples').")
+    min_drift_samples: int = Field(
+        8, gt=0, description="'drift': the fewest samples either side of the comparison (the new samples, the draft's "
+        "validation samples) may hold; with fewer, the figures are too few to decide and the run retrains, saying so.")
+    min_drift_tokens: int = Field(
+        2000, gt=0, description="'drift': likewise, the fewest answer tokens a side may hold.")
 
 
 class RegistrySettings(Section):

@@ -47,16 +47,16 @@ def measure_acceptance(job: AcceptanceJob, rank: int = 0, world_size: int = 1,
     """Each set's simulated acceptance length, and the device that measured them; written to
     `<out_dir>/acceptance.json` and returned. `rank`/`world_size`: a worker's (one process measures)."""
     from tasks.train.acceptance import simulated_acceptance_length
-    from tasks.train.evaluation import evaluate_draft
+    from tasks.train.evaluation import draft_evaluator
 
     t0 = time.monotonic()
     acceptance = {}
+    score = draft_evaluator(job.draft, job.ttt_steps, job.total_seq_len, job.verifier_path)
     for done, (name, sample_set) in enumerate(job.sample_sets.items()):
         if callback:
             callback(ProgressEvent("drift check", done, len(job.sample_sets), "sample sets", None, None,
                                    time.monotonic() - t0, f"measuring the {name} samples"))
-        metrics = evaluate_draft(job.draft, sample_set["manifest"], sample_set["prepared"], job.ttt_steps,
-                                 job.total_seq_len, job.verifier_path, sample_set["samples"])
+        metrics = score(sample_set["manifest"], sample_set["prepared"], sample_set["samples"])
         acceptance[name] = simulated_acceptance_length(metrics, job.ttt_steps)
         log.info("simulated acceptance length on the %d %s samples: %.4f", len(sample_set["samples"]), name,
                  acceptance[name])

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from tasks.common.content import sample_key
 from tasks.extract.shards import ShardReader
-from tasks.train.data import split_indices, split_shards
+from tasks.prepare.dataset import token_rows
+from tasks.train.data import ShardDataset, split_indices, split_shards
 
 
 def manifest_sample_keys(manifest: str | Path) -> list[str]:
@@ -38,3 +39,11 @@ def samples_on_disk(manifest: str | Path, prepared_path: str | Path, samples: li
         return False
     reader = ShardReader(manifest)
     return all(reader.path(s).is_file() for s in {reader.index[i][0] for i in samples})
+
+
+def answer_tokens(manifest: str | Path, prepared_path: str | Path, samples: list[int]) -> int:
+    """The answer tokens of a manifest's `samples` (their loss masks' positions, where drafts start): what
+    a simulated acceptance length over them averages."""
+    dataset = ShardDataset(manifest, prepared_path)
+    per_row = [int(mask.sum()) for mask in token_rows(dataset.prepared, "loss_mask")]
+    return sum(per_row[dataset.rows[i]] for i in samples)

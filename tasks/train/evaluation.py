@@ -8,6 +8,7 @@ depend on the batching; the training loop logs its own metrics with the same hel
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -68,16 +69,28 @@ def evaluate(net, dataset: ShardDataset | None, total_seq_len: int, hidden: int,
     return reduce_metrics(sums, world > 1)
 
 
-def evaluate_draft(draft: str | Path, manifest: str | Path, prepared_path: str | Path, ttt_steps: int = 3,
-                   total_seq_len: int = 8192, verifier: str | Path | None = None,
-                   samples: list[int] | None = None) -> dict[str, float]:
-    """Per-position metrics of a saved draft on extracted samples (all, or the manifest's rows
-    `samples`), with greedy speculative decoding replayed over them."""
+def draft_evaluator(draft: str | Path, ttt_steps: int = 3, total_seq_len: int = 8192,
+                    verifier: str | Path | None = None) -> Callable[..., dict[str, float]]:
+    """A saved draft, loaded once, as a function scoring it on extracted samples: `(manifest, prepared_path,
+    samples=None)` -> per-position metrics (all samples, or the manifest's rows `samples`), with greedy
+    speculative decoding replayed over them. Scoring many sample sets, load the draft once."""
     from speculators.losses import resolve_loss_config
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = load_draft(draft, device, verifier)
     call = {"ttt_steps": ttt_steps, "ttt_step_loss_decay": 1.0, "loss_config": resolve_loss_config("kl_div", "eager")}
-    dataset = ShardDataset(manifest, prepared_path, samples)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return evaluate(model, dataset, total_seq_len, read_manifest(manifest)["hidden_size"], dtype, device, call)
+
+    def score(manifest: str | Path, prepared_path: str | Path, samples: list[int] | None = None) -> dict[str, float]:
+        dataset = ShardDataset(manifest, prepared_path, samples)
+        return evaluate(model, dataset, total_seq_len, read_manifest(manifest)["hidden_size"], dtype, device, call)
+
+    return score
+
+
+def evaluate_draft(draft: str | Path, manifest: str | Path, prepared_path: str | Path, ttt_steps: int = 3,
+                   total_seq_len: int = 8192, verifier: str | Path | None = None,
+                   samples: list[int] | None = None) -> dict[str, float]:
+    """Per-position metrics of a saved draft on extracted samples (all, or the manifest's rows
+    `samples`), with greedy speculative decoding replayed over them."""
+    return draft_evaluator(draft, ttt_steps, total_seq_len, verifier)(manifest, prepared_path, samples)

@@ -25,6 +25,7 @@ from tasks.drift.check import (
     device_name,
     measure_acceptance,
 )
+from tasks.drift.samples import answer_tokens
 from tasks.extract.shards import ShardReader, read_manifest
 from tasks.prepare.dataset import load_prepared
 from tasks.train.job import TrainJob
@@ -102,7 +103,10 @@ def threshold(parent, smollm2, tmp_path_factory) -> float:
 
 
 def check(parent, smollm2, data, new_samples, out_dir, **options) -> DriftDecision:
+    """The decision as the flow makes it. These sets are small (the `threshold` fixture says what chance does at
+    their sizes): the minimum counts are 1 unless a test sets them (they have a test of their own)."""
     prepared, extraction = data
+    options = {"min_samples": 1, "min_tokens": 1, **options}
     return measure_drift(parent.trained.draft_path, smollm2, extraction.manifest, prepared.path, new_samples,
                          out_dir=out_dir, reference_manifest=parent.extraction.manifest,
                          reference_prepared=parent.prepared.path, reference_samples=parent.validation,
@@ -161,7 +165,8 @@ def test_without_its_validation_samples_the_draft_is_compared_with_its_recorded_
                          out_dir=tmp_path, reference_manifest=tmp_path / "collected" / "manifest.json",
                          reference_prepared=parent.prepared.path, reference_samples=parent.validation,
                          recorded_reference=parent.trained.simulated_acceptance_length, threshold=threshold,
-                         ttt_steps=TTT_STEPS, total_seq_len=FAST["total_seq_len"], in_process=True)
+                         min_samples=1, min_tokens=1, ttt_steps=TTT_STEPS, total_seq_len=FAST["total_seq_len"],
+                         in_process=True)
     assert gone.reference_from == "recorded" and "recorded when it was trained" in gone.reason
     assert gone.reference_acceptance == parent.trained.simulated_acceptance_length and gone.new_samples == len(new)
     assert gone.relative_drop == pytest.approx((gone.reference_acceptance - gone.new_acceptance)
@@ -182,3 +187,34 @@ def test_no_new_samples_is_no_retraining(parent, same_kind, smollm2, tmp_path):
     assert new == [] and not decision.retrain and decision.reason.startswith("nothing new")
     assert decision.new_samples == 0 and not (tmp_path / "check").exists()
     assert asdict(decision)["new_acceptance"] is None
+
+
+def test_too_few_samples_or_tokens_retrain_unmeasured_saying_so(parent, same_kind, smollm2, tmp_path):
+    prepared, extraction = same_kind
+    new = new_sample_indices(extraction.manifest, parent.extraction.manifest)
+    # answer tokens are the loss masks' positions of the samples, counted from the prepared rows by sample id
+    masks = {row["sample_id"]: sum(row["loss_mask"]) for row in load_prepared(prepared.path)}
+    ids = ShardReader(extraction.manifest).sample_ids
+    assert answer_tokens(extraction.manifest, prepared.path, new[:3]) == sum(masks[ids[i]] for i in new[:3]) > 0
+
+    few_new = check(parent, smollm2, same_kind, new[:3], tmp_path / "few-new", threshold=0.05, min_samples=8,
+                    min_tokens=100)
+    assert few_new.retrain and few_new.too_few and few_new.reason.startswith("too few to decide: the 3 new samples")
+    assert few_new.new_samples == 3 and few_new.new_tokens == sum(masks[ids[i]] for i in new[:3])
+    assert few_new.reference_samples == len(parent.validation) and few_new.reference_tokens > 0
+    assert "validation samples hold" not in few_new.reason and "retraining (the safe choice" in few_new.reason
+    assert few_new.new_acceptance is None and few_new.measured_on is None
+    assert not (tmp_path / "few-new").exists()  # decided before any process started: nothing loaded or measured
+
+    # the reference side: the draft's validation samples, too few tokens here
+    few_tokens = check(parent, smollm2, same_kind, new, tmp_path / "few-tokens", threshold=0.05, min_samples=2,
+                       min_tokens=few_new.reference_tokens + 1)
+    assert few_tokens.too_few and few_tokens.retrain and few_tokens.reference_acceptance is None
+    assert (f"the current draft's {len(parent.validation)} validation samples hold {few_tokens.reference_tokens:,} "
+            "answer tokens") in few_tokens.reason
+    assert DriftDecision(**json.loads(few_tokens.to_json())) == few_tokens  # the artifact's and the result's figures
+
+    enough = check(parent, smollm2, same_kind, new, tmp_path / "enough", threshold=0.05, min_samples=2, min_tokens=100,
+                   in_process=True)
+    assert not enough.too_few and enough.new_acceptance is not None and enough.new_tokens >= 100
+    assert f"({enough.new_tokens:,} answer tokens)" in enough.reason
