@@ -1,13 +1,14 @@
 """Serve the draft that bench/acceptance.py trained on a GPU in vLLM here, and record vLLM's measured
 acceptance next to the simulated one.
 
-    python bench/validate_returned_draft.py RETURNED_DIR [--prompts 80 --max-new-tokens 256]
+    python bench/validate_returned_draft.py RETURNED_DIR [--prompts 80 --max-new-tokens 256] [--prompts-file JSONL]
 
 RETURNED_DIR holds `draft_config.json`, `draft.safetensors.part*` and, when bench/recipe.py scored the
 draft on MT-Bench there, `acceptance.json` (bench/recipe.py --return writes one such folder per draft,
 OUT/drafts/NAME/). The draft
 is reassembled (its verifier path pointed at the local SmolLM2 demo asset: the same model), checked
-statically, and served greedily on MT-Bench first turns with k=3.
+statically, and served greedily on MT-Bench first turns with k=3 (or the first turns of `--prompts-file`:
+JSONL of `turns`, `prompt` or `text`, e.g. bench/narrow_workload.py's held-out prompts).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def main() -> None:
     p.add_argument("returned")
     p.add_argument("--prompts", type=int, default=80)
     p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--prompts-file", type=Path, help="JSONL of prompts to serve instead of MT-Bench's")
     p.add_argument("--work", type=Path, default=Path("/tmp/returned-drafts"),
                    help="where the draft is reassembled and served (WORK/<returned folder's name>/)")
     p.add_argument("--record", metavar="FIGURE",
@@ -65,10 +67,12 @@ def main() -> None:
     scored = returned / "acceptance.json"  # bench/recipe.py's MT-Bench scores of the draft, when it ran
     scores = json.loads(scored.read_text()).get("ours", {}) if scored.exists() else {}  # {}: returned unscored
     simulated, replayed = scores.get("simulated_acceptance_length"), scores.get("replayed_acceptance_length")
-    settings = ValidationSettings(prompts=str(ensure_asset("mt-bench")), max_prompts=a.prompts,
+    prompts = a.prompts_file or ensure_asset("mt-bench")
+    settings = ValidationSettings(prompts=str(prompts), max_prompts=a.prompts,
                                   max_new_tokens=a.max_new_tokens)
+    served_on = work / (f"validation-{Path(prompts).stem}" if a.prompts_file else "validation")
     result = validate(str(draft), str(verifier), json.loads((draft / "config.json").read_text())[
-        "eagle_aux_hidden_state_layer_ids"], settings, work / "validation",
+        "eagle_aux_hidden_state_layer_ids"], settings, served_on,
         simulated_acceptance_length=simulated, replayed_acceptance_length=replayed)
     print(json.dumps({"vllm_mean_acceptance_length": result.mean_acceptance_length,
                       "vllm_per_position_acceptance": result.per_position_acceptance,
