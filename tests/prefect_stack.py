@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from prefect.client.base import PrefectHttpxSyncClient
 
 PREFECT = str(Path(sys.executable).parent / "prefect")
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -99,10 +100,15 @@ class PrefectStack:
         for proc in reversed(self.processes):
             stop_group(proc)
 
+    @property
+    def http(self) -> PrefectHttpxSyncClient:
+        """Prefect's own HTTP client on the API: it retries what the server answers 503 to (SQLite's
+        "database is locked" on a busy machine: CI saw one on a schedule's PATCH) and raises on errors."""
+        return PrefectHttpxSyncClient(base_url=self.api, timeout=30)
+
     def post(self, path: str, body: dict) -> list | dict | int:
-        r = httpx.post(f"{self.api}{path}", json=body, timeout=30)
-        r.raise_for_status()
-        return r.json()
+        with self.http as http:
+            return http.post(path, json=body).json()
 
 
 def chromium(url: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -206,17 +206,17 @@ def without_the_nightly_runs(stack: PrefectStack, deployment: str) -> None:
     """The deployment's schedule paused and the runs it created gone: at 03:00 UTC its nightly run of the
     demo preset would otherwise hold the deployment's one slot (concurrency_limit: 1) for minutes."""
     found = next(d for d in stack.post("/deployments/filter", {}) if d["name"] == deployment)
-    for schedule in httpx.get(f"{stack.api}/deployments/{found['id']}/schedules", timeout=30).json():
-        httpx.patch(f"{stack.api}/deployments/{found['id']}/schedules/{schedule['id']}", json={"active": False},
-                    timeout=30).raise_for_status()
-    body = {"deployments": {"id": {"any_": [found["id"]]}}, "flow_runs": {"state": {"type": {"any_": [
-        "SCHEDULED", "PENDING", "RUNNING"]}}}}
-    for run in stack.post("/flow_runs/filter", body):
-        if run["state_type"] == "RUNNING":
-            stack.post(f"/flow_runs/{run['id']}/set_state", {"state": {"type": "CANCELLING"}, "force": True})
-            wait_final(stack, run["id"])
-        else:
-            httpx.delete(f"{stack.api}/flow_runs/{run['id']}", timeout=30).raise_for_status()
+    with stack.http as http:
+        for schedule in http.get(f"/deployments/{found['id']}/schedules").json():
+            http.patch(f"/deployments/{found['id']}/schedules/{schedule['id']}", json={"active": False})
+        body = {"deployments": {"id": {"any_": [found["id"]]}}, "flow_runs": {"state": {"type": {"any_": [
+            "SCHEDULED", "PENDING", "RUNNING"]}}}}
+        for run in http.post("/flow_runs/filter", json=body).json():
+            if run["state_type"] == "RUNNING":
+                stack.post(f"/flow_runs/{run['id']}/set_state", {"state": {"type": "CANCELLING"}, "force": True})
+                wait_final(stack, run["id"])
+            else:
+                http.delete(f"/flow_runs/{run['id']}")
 
 
 def test_the_retrain_deployment_does_only_the_new_work_and_promotes(stack, sharegpt, tmp_path):
