@@ -29,7 +29,12 @@ from pathlib import Path
 
 import yaml
 
-from flows.prefect_env import set_aside_damaged_database, start_run_server, use_private_prefect_home
+from flows.prefect_env import (
+    set_aside_damaged_database,
+    start_run_server,
+    use_private_prefect_home,
+    wait_for_run_server,
+)
 from flows.run_log import run_log
 from flows.stop import Stopped, end_stopped_run, run_began, stop_on_signals
 from tasks.common.config import ConfigError, load_config
@@ -156,14 +161,16 @@ def command(argv: list[str] | None) -> int:
     output.mkdir(parents=True, exist_ok=True)
     prefect_home = use_private_prefect_home(output)
     set_aside_damaged_database(prefect_home)
+    start_run_server(prefect_home)
+    if args.refresh:
+        os.environ["PREFECT_TASKS_REFRESH_CACHE"] = "true"
+    from flows.pipeline import eagle3_pipeline  # while the server starts; after PREFECT_* are set: read at import
+
     try:
-        start_run_server(prefect_home)
+        wait_for_run_server(prefect_home)
     except RuntimeError as e:  # a busy machine or a port taken meanwhile: running again may work
         print(f"error: {e}", file=sys.stderr)
         return 1
-    if args.refresh:
-        os.environ["PREFECT_TASKS_REFRESH_CACHE"] = "true"
-    from flows.pipeline import eagle3_pipeline  # after PREFECT_HOME is set: Prefect reads it at import
 
     with run_log(output) as log_file:
         return run_flow(eagle3_pipeline, config, resolved, output, prefect_home, log_file)

@@ -75,6 +75,9 @@ def start_run_server(home: Path) -> subprocess.Popen | None:
     command Prefect's own temporary server runs (prefect.server.api.server.SubprocessASGIServer), its
     output in `home/server.log`.
 
+    Returns once the server's process is started and PREFECT_API_URL names it, without waiting for it
+    to answer: the caller imports the flow meanwhile (Prefect reads its settings at import; the server
+    takes 5-13 s to start on 2 cores, the flow's imports 5 s), then calls wait_for_run_server.
     None where the user named a server (PREFECT_API_URL) or Prefect is imported already (its settings,
     read at import, keep the server it has)."""
     if os.environ.get("PREFECT_API_URL") or "prefect" in sys.modules:
@@ -93,23 +96,29 @@ def start_run_server(home: Path) -> subprocess.Popen | None:
     atexit.register(stop_server, server)
     global RUN_SERVER
     RUN_SERVER = server
-    api = f"http://127.0.0.1:{port}/api"
+    os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
+    os.environ.setdefault("PREFECT_UI_URL", "")  # no UI on the run's server: no "View at" link answering 404
+    return server
+
+
+def wait_for_run_server(home: Path) -> None:
+    """Until the server start_run_server started answers (nothing to wait for where it started none);
+    RuntimeError, the server stopped, where it exits or does not answer in SERVER_START_TIMEOUT_S."""
+    if RUN_SERVER is None:
+        return
     deadline = time.monotonic() + SERVER_START_TIMEOUT_S
     while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"the run's Prefect server exited at start (code {server.returncode}): see "
+        if RUN_SERVER.poll() is not None:
+            raise RuntimeError(f"the run's Prefect server exited at start (code {RUN_SERVER.returncode}): see "
                                f"{home / 'server.log'}")
         try:
-            with urllib.request.urlopen(f"{api}/health", timeout=2) as response:
+            with urllib.request.urlopen(f"{os.environ['PREFECT_API_URL']}/health", timeout=2) as response:
                 if response.status == 200:
-                    os.environ["PREFECT_API_URL"] = api
-                    # no UI on the run's server: no "View at http://..." line whose link would answer 404
-                    os.environ.setdefault("PREFECT_UI_URL", "")
-                    return server
+                    return
         except OSError:
             pass
         time.sleep(0.2)
-    stop_server(server)
+    stop_server(RUN_SERVER)
     raise RuntimeError(f"the run's Prefect server did not answer in {SERVER_START_TIMEOUT_S} s: see "
                        f"{home / 'server.log'}")
 
