@@ -260,14 +260,20 @@ def train_task(config: PipelineConfig, prepared: PreparedData, extracted: Extrac
 # ---------------------------------------------------------------------------------- validate
 
 
-def _validate_key(ctx, p) -> str:
+def _validation_dir(config: PipelineConfig, trained: TrainResult) -> Path:
+    return stage_dir(config, "validation") / trained.fingerprint[:16]
+
+
+def _validate_key(ctx, p) -> str | None:
     c: PipelineConfig = p["config"]
+    if not (_validation_dir(c, p["trained"]) / "report.json").is_file():
+        return None  # its report went missing since it was written (the summary and the registry read it): again
     return cache_key(ctx, p["trained"].fingerprint, c.validation.model_dump(), c.output_dir, code=VALIDATE_CODE)
 
 
 @task(name="validate", cache_key_fn=_validate_key, tags=["gpu"], **GPU_STAGE)
 def validate_task(config: PipelineConfig, trained: TrainResult, extracted: ExtractResult) -> ValidationResult:
-    out = stage_dir(config, "validation") / trained.fingerprint[:16]
+    out = _validation_dir(config, trained)
     result = validate(trained.draft_path, config.verifier.path, extracted.layers[:3], config.validation, out,
                       trust_remote_code=config.verifier.trust_remote_code,
                       simulated_acceptance_length=trained.simulated_acceptance_length,

@@ -131,7 +131,8 @@ def test_a_streamed_run_keeping_its_shards_is_an_offline_run_cache_hit(prefect_a
 def test_damage_found_after_a_cached_run_is_repaired_by_the_same_command(prefect_api, workspace):
     """A shard flipped in place (size and mtime kept, so only its checksum tells), then a changed
     training setting: training finds it, fails naming it, and the same command again extracts that
-    shard again, though the extraction was cached. A vocabulary file deleted later is rebuilt likewise.
+    shard again, though the extraction was cached. A vocabulary file deleted later is rebuilt likewise, and
+    a validation report deleted is written again.
     The module's run folder (cached by the first test, when it ran; repaired here by the end)."""
     from flows.pipeline import eagle3_pipeline
 
@@ -159,6 +160,13 @@ def test_damage_found_after_a_cached_run_is_repaired_by_the_same_command(prefect
     third, states = run(changed.model_copy(update={"train": changed.train.model_copy(update={"seed": 2})}))
     assert states["vocab"][0] == "Completed" and states["extract"][0] == "Cached"
     assert (Path(third["vocab"].path) / "d2t.npy").is_file() and third["vocab"].fingerprint == first["vocab"].fingerprint
+
+    # a validation report gone (the summary names it, the registry reads it): validated again, nothing else
+    report = Path(third["validated"].report_json)
+    report.unlink()
+    fourth, states = run(changed.model_copy(update={"train": changed.train.model_copy(update={"seed": 2})}))
+    assert states["validate"][0] == "Completed" and states["train"][0] == "Cached", states
+    assert report.is_file() and fourth["validated"].report_json == str(report)
 
 
 @pytest.mark.system  # a whole run retried: `make test` runs it, `make test-fast` does not
