@@ -188,7 +188,11 @@ def test_sigterm_to_the_cli_alone_while_a_streamed_producer_extracts_abandons_it
             os.killpg(cli.pid, signal.SIGKILL)
     assert_stopped_politely(log, "SIGTERM", out, took)
     assert not list(shards.glob("shard-*.safetensors")), "the producer finished its shard instead of abandoning it"
-    assert "streamed extraction: stopped by the stage" in (shards / "progress" / "rank-0.log").read_text()
+    # heard in its shard's forward pass (its watch thread's line) or, on a loaded machine, between blocks before
+    # it began one (the whole suite beside a demo run, 2026-12-07): either way nothing of the shard was kept
+    producer = (shards / "progress" / "rank-0.log").read_text()
+    assert ("streamed extraction: stopped by the stage" in producer
+            or "streamed extraction [0/1]: 0 shards produced" in producer), producer[-2000:]
 
 
 def test_ctrl_c_to_the_whole_process_group_during_extraction_ends_every_process(sharegpt, tmp_path):
