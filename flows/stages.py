@@ -266,9 +266,12 @@ def _validation_dir(config: PipelineConfig, trained: TrainResult) -> Path:
 
 def _validate_key(ctx, p) -> str | None:
     c: PipelineConfig = p["config"]
-    if not (_validation_dir(c, p["trained"]) / "report.json").is_file():
-        return None  # its report went missing since it was written (the summary and the registry read it): again
-    return cache_key(ctx, p["trained"].fingerprint, c.validation.model_dump(), c.output_dir, code=VALIDATE_CODE)
+    key = cache_key(ctx, p["trained"].fingerprint, c.validation.model_dump(), c.output_dir, code=VALIDATE_CODE)
+    if ctx.result_store.exists(key) and not (_validation_dir(c, p["trained"]) / "report.json").is_file():
+        # the cached result names a report gone since (the summary and the registry read it): validated again,
+        # without a key, so the record stays and names the report written anew
+        return None
+    return key
 
 
 @task(name="validate", cache_key_fn=_validate_key, tags=["gpu"], **GPU_STAGE)

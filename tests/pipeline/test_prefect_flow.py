@@ -164,9 +164,12 @@ def test_damage_found_after_a_cached_run_is_repaired_by_the_same_command(prefect
     # a validation report gone (the summary names it, the registry reads it): validated again, nothing else
     report = Path(third["validated"].report_json)
     report.unlink()
-    fourth, states = run(changed.model_copy(update={"train": changed.train.model_copy(update={"seed": 2})}))
+    seed_2 = changed.model_copy(update={"train": changed.train.model_copy(update={"seed": 2})})
+    fourth, states = run(seed_2)
     assert states["validate"][0] == "Completed" and states["train"][0] == "Cached", states
     assert report.is_file() and fourth["validated"].report_json == str(report)
+    _, states = run(seed_2)  # the cache's record names the report written anew: a hit again
+    assert {name: s for name, (s, _) in states.items()} == {name: "Cached" for name in STAGES}, states
 
 
 @pytest.mark.system  # a whole run retried: `make test` runs it, `make test-fast` does not
