@@ -3,9 +3,22 @@ and what more than one stage's tests use."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tasks.common.demo_assets import ensure_asset
+
+
+@pytest.fixture(scope="session")
+def prefect_api():
+    """One Prefect test server for the session's in-process flow runs (its start migrates a new database:
+    10-14 s on 2 cores, paid once instead of once per module)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
 
 
 @pytest.fixture(scope="session")

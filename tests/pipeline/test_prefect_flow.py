@@ -21,16 +21,6 @@ STAGES = {"prepare", "extract", "vocab", "train", "validate"}
 
 
 @pytest.fixture(scope="module")
-def prefect_api(tmp_path_factory):
-    from prefect.testing.utilities import prefect_test_harness
-
-    home = tmp_path_factory.mktemp("prefect-home")
-    os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
-    with prefect_test_harness(server_startup_timeout=120):
-        yield home
-
-
-@pytest.fixture(scope="module")
 def workspace(sharegpt, tmp_path_factory):
     root = tmp_path_factory.mktemp("flow")
     return root, write_sample_data(sharegpt, root / "chats.jsonl", 14)

@@ -97,14 +97,31 @@ def why_not_final(stack: PrefectStack, flow_run_id: str) -> str:
     return "\n".join([*lines, "the worker's log ends:", stack.log("worker")[-3000:]])
 
 
+def cli_run(config, cwd: Path) -> dict:
+    """The CLI's run of the config, as a user starts it (its own Prefect server, none of the stack's
+    settings); its summary."""
+    config_file = cwd / "config.yaml"
+    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    cli = subprocess.run([str(Path(sys.executable).parent / "eagle3-pipeline"), "run", str(config_file)],
+                         capture_output=True, text=True, timeout=900, cwd=cwd,
+                         env={k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")})
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    return json.loads(cli.stdout[cli.stdout.index("{"): cli.stdout.index("\neagle3-pipeline: done")])
+
+
 @pytest.mark.browser
 def test_deployment_runs_on_a_worker_then_is_cached_and_shows_in_the_ui(stack, sharegpt, tmp_path):
+    """A deployment's run, then the CLI's run of the same config and a deployment's run again: one system,
+    every stage a cache hit either way."""
     config = small_config(tmp_path / "out", write_sample_data(sharegpt, tmp_path / "chats.jsonl", 10),
                           train={"log_every": 1})  # a curve, not a dot
     first, output = deployment_run(stack, "eagle3-train", config)
     assert first and wait_final(stack, first) == "Completed", output
     assert states(stack, first) == {s: "Completed" for s in STAGES}
     assert (tmp_path / "out" / "train").is_dir()  # the worker ran the real pipeline
+
+    summary = cli_run(config, tmp_path)
+    assert all(summary[key]["from_cache"] for key in ("prepared", "extracted", "vocab", "trained", "validated"))
 
     second, output = deployment_run(stack, "eagle3-train", config)
     assert second and wait_final(stack, second) == "Completed", output
@@ -258,9 +275,9 @@ def test_the_retrain_deployment_does_only_the_new_work_and_promotes(stack, share
     assert lineage["parent"] == "version 1"
 
 
-def test_a_deployment_run_and_a_cli_run_are_one_system(stack, sharegpt, tmp_path):
-    """A deployment's run on a folder another run holds fails in its first seconds, not retried; after a CLI
-    run of the same config, a deployment's run is a cache hit for every stage."""
+def test_a_deployment_run_on_a_busy_folder_fails_at_once(stack, sharegpt, tmp_path):
+    """A deployment's run on a folder another run holds fails in its first seconds, not retried, as the CLI
+    refuses it (that a deployment's run and a CLI run share one cache: the first test)."""
     out = tmp_path / "out"
     config = small_config(out, write_sample_data(sharegpt, tmp_path / "chats.jsonl", 6))
     out.mkdir()
@@ -273,13 +290,3 @@ def test_a_deployment_run_and_a_cli_run_are_one_system(stack, sharegpt, tmp_path
     run = stack.post("/flow_runs/filter", {"flow_runs": {"id": {"any_": [busy]}}})[0]
     assert run["run_count"] == 1 and "in use by another" in run["state"]["message"], run["state"]
     assert took < 120, took  # the worker's start of the flow process included; no stage, no retry
-
-    config_file = tmp_path / "config.yaml"
-    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
-    cli = subprocess.run([str(Path(sys.executable).parent / "eagle3-pipeline"), "run", str(config_file)],
-                         capture_output=True, text=True, timeout=900, cwd=tmp_path,
-                         env={k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")})
-    assert cli.returncode == 0, cli.stderr[-3000:]
-    after, output = deployment_run(stack, "eagle3-train", config)
-    assert after and wait_final(stack, after) == "Completed", output
-    assert states(stack, after) == {s: "Cached" for s in STAGES}

@@ -37,15 +37,6 @@ ACCEL = "accel"
 
 
 @pytest.fixture(scope="module")
-def prefect_api():
-    from prefect.testing.utilities import prefect_test_harness
-
-    os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
-
-
-@pytest.fixture(scope="module")
 def cluster():
     """A head (the flow's node: no accelerator) and two worker nodes with one `accel` each."""
     import ray

@@ -25,15 +25,6 @@ REGENERATED_DATA = {"max_rows": 4, "regenerate": {"enabled": True, "backend": "t
                                                   "max_turns": 1, "chunk_size": 2, "batch_size": 2}}
 
 
-@pytest.fixture(scope="module")
-def prefect_api(tmp_path_factory):
-    from prefect.testing.utilities import prefect_test_harness
-
-    os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
-
-
 def run(config):
     from flows.pipeline import eagle3_pipeline
 

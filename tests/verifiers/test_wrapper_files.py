@@ -82,15 +82,6 @@ def test_plan_and_preflight_name_the_image_processor_file_a_wrapper_folder_lacks
     assert not (tmp_path / "out").exists()
 
 
-@pytest.fixture(scope="module")
-def prefect_api():
-    from prefect.testing.utilities import prefect_test_harness
-
-    os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
-
-
 @pytest.mark.system  # a whole run through the CLI, and vLLM's engine refusing the folder: minutes
 def test_a_run_on_the_wrapper_under_auto_validates_statically_and_says_why(prefect_api, wrappers, sharegpt, mtbench,
                                                                              tmp_path, monkeypatch, capsys, caplog):

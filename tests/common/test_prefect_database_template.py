@@ -1,0 +1,63 @@
+"""A new output folder's Prefect database starts as a copy of a migrated, empty one kept per Prefect
+version (flows/prefect_env.py), the run's server then starting in about half the time."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+# the CLI's start of the run's server, in a process of its own (it starts none where Prefect is imported);
+# then what the server answers about block types (written at its start) and flow runs
+START = """
+import json, sys, urllib.request
+from flows.prefect_env import use_private_prefect_home, start_run_server, wait_for_run_server
+home = use_private_prefect_home(sys.argv[1])
+start_run_server(home)
+wait_for_run_server(home)
+import os
+api = os.environ["PREFECT_API_URL"]
+def count(what):
+    request = urllib.request.Request(f"{api}/{what}/filter", data=b"{}", method="POST",
+                                     headers={"Content-Type": "application/json"})
+    return len(json.load(urllib.request.urlopen(request, timeout=30)))
+print(json.dumps({"block_types": count("block_types"), "flow_runs": count("flow_runs")}))
+"""
+
+
+def start_server(output: Path, cache: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    done = subprocess.run([sys.executable, "-c", START, str(output)], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT, env={**env, "XDG_CACHE_HOME": str(cache), "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def flow_runs_in(database: Path) -> int:
+    with sqlite3.connect(database) as db:
+        return db.execute("SELECT count(*) FROM flow_run").fetchone()[0]
+
+
+@pytest.mark.system  # three starts of a Prefect server: about 25 s
+def test_a_new_folder_starts_from_the_kept_template_and_an_old_one_is_never_kept(tmp_path):
+    cache = tmp_path / "cache"
+    first = start_server(tmp_path / "a", cache)  # no template yet: this server migrates, its database is kept
+    templates = list((cache / "eagle3-pipeline").glob("prefect-*.db"))
+    assert len(templates) == 1 and not list(templates[0].parent.glob("*.partial")), templates
+    assert first["block_types"] > 0 and first["flow_runs"] == 0 and flow_runs_in(templates[0]) == 0
+
+    second = start_server(tmp_path / "b", cache)  # a copy of it: a server that answers as the first did
+    assert second == first
+    copied = tmp_path / "b" / ".prefect" / "prefect.db"
+    assert copied.read_bytes()[:16] == b"SQLite format 3\x00"
+
+    # a folder with a database of its own (its run history) is never made the template
+    templates[0].unlink()
+    assert start_server(tmp_path / "b", cache) == first
+    assert not templates[0].exists()
