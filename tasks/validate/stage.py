@@ -24,7 +24,7 @@ from pathlib import Path
 from tasks.common.errors import PermanentError
 from tasks.common.hub import hub_snapshot
 from tasks.common.verifier import inspect_verifier
-from tasks.common.vllm_support import eagle3_support
+from tasks.common.vllm_support import serving_problem
 from tasks.validate.draft_check import EAGLE31_FLAGS, DraftCheckError, check_draft
 from tasks.validate.serve_line import serve_lines
 from tasks.validate.vllm_live import EngineStartError, compare_outputs, mtbench_prompts, run_engine
@@ -86,10 +86,12 @@ def validate(draft: str, verifier_path: str, aux_layers: list[int], settings, ou
         write_reports(out_dir, report)
         raise DraftCheckError(f"{draft} would not serve correctly in vLLM:\n  " + "\n  ".join(static.errors))
 
-    support = eagle3_support(verifier) if settings.live != "skip" else None
-    live = support is not None and support.supported
+    # its model class, and a multimodal wrapper's processor files (the preflight asked the same: remembered),
+    # so that an engine that would refuse the folder is not started to find out
+    problem = serving_problem(verifier, trust_remote_code) if settings.live != "skip" else "validation.live: skip"
+    live = problem is None
     if settings.live == "required" and not live:
-        raise ValidationFailed(f"validation.live: required, but {support.problem}")
+        raise ValidationFailed(f"validation.live: required, but {problem}")
     if live:
         try:
             report["live"], report["serve"] = serve_and_measure(draft, verifier_path, settings, out_dir,
@@ -99,7 +101,7 @@ def validate(draft: str, verifier_path: str, aux_layers: list[int], settings, ou
                 raise
             live, report["live_skipped"] = False, f"{ENGINE_REFUSED}{e}"
     else:
-        report["live_skipped"] = ("validation.live: skip" if support is None else support.problem)
+        report["live_skipped"] = problem
     if not live:
         log.warning("vLLM not run, static checks only (validation.live: %s): %s", settings.live,
                     report["live_skipped"])

@@ -177,7 +177,8 @@ def test_a_kill_during_promotion_leaves_current_at_the_old_or_the_new_version(dr
         assert same_files(registry / "current" / "draft", drafts[now.number - 1][0])
         assert made_current(history(registry), now.number)[-1] == now.number  # the history agrees with `current`
         seen.add(now.number)
-    assert seen == {2, 3}, f"every kill left version {seen}: the kills did not land at varied moments"
+    # 1 where a kill landed before the loop's first promotion ended (seen once in a whole-suite run, 2026-12-07): the old version
+    assert {2, 3} <= seen <= {1, 2, 3}, f"every kill left version {seen}: the kills did not land at varied moments"
     records = history(registry)
     assert any(following["from"] != record["to"] for record, following in pairwise(records)), \
         "no kill landed between a promotion's record and its switch"
