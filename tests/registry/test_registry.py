@@ -177,7 +177,7 @@ def test_a_kill_during_promotion_leaves_current_at_the_old_or_the_new_version(dr
         assert same_files(registry / "current" / "draft", drafts[now.number - 1][0])
         assert made_current(history(registry), now.number)[-1] == now.number  # the history agrees with `current`
         seen.add(now.number)
-    # 1 where a kill landed before the loop's first promotion ended (seen once in a whole-suite run, 2026-12-07): the old version
+    # 1 (the old version) where a kill landed before the loop's first promotion ended: seen once, 2026-12-07
     assert {2, 3} <= seen <= {1, 2, 3}, f"every kill left version {seen}: the kills did not land at varied moments"
     records = history(registry)
     assert any(following["from"] != record["to"] for record, following in pairwise(records)), \
