@@ -38,6 +38,16 @@ def use_private_prefect_home(output_dir: str | Path) -> Path:
     return home
 
 
+def database_problems(database: Path) -> str | None:
+    """What SQLite's quick check finds wrong with the database, None where nothing."""
+    try:
+        with closing(sqlite3.connect(f"file:{database}?mode=ro", uri=True)) as connection:
+            problems = [row[0] for row in connection.execute("PRAGMA quick_check")]
+        return None if problems == ["ok"] else "; ".join(problems[:3])
+    except sqlite3.DatabaseError as e:
+        return str(e)
+
+
 def set_aside_damaged_database(home: Path) -> Path | None:
     """A Prefect database (`home/prefect.db`, the ephemeral server's) that SQLite finds damaged is
     moved aside, with its journal files, so that the server starts on a new one: otherwise it never
@@ -46,14 +56,9 @@ def set_aside_damaged_database(home: Path) -> Path | None:
     database = home / "prefect.db"
     if os.environ.get("PREFECT_API_URL") or not database.is_file():
         return None  # a server of the user's own, or no database yet
-    try:
-        with sqlite3.connect(f"file:{database}?mode=ro", uri=True) as connection:
-            problems = [row[0] for row in connection.execute("PRAGMA quick_check")]
-        if problems == ["ok"]:
-            return None
-        reason = "; ".join(problems[:3])
-    except sqlite3.DatabaseError as e:
-        reason = str(e)
+    reason = database_problems(database)
+    if reason is None:
+        return None
     aside = database.with_name(f"prefect.db.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
     for suffix in ("", "-wal", "-shm", "-journal"):
         if Path(f"{database}{suffix}").exists():
@@ -84,6 +89,9 @@ def seed_database(home: Path) -> None:
     database, template = home / "prefect.db", database_template()
     if template is None or database.exists():
         return
+    if template.is_file() and database_problems(template):  # damaged on disk since it was kept: made again
+        log.warning("the Prefect database template %s is damaged: deleted, made again by this run", template)
+        template.unlink(missing_ok=True)
     if not template.is_file():
         NEW_DATABASE = database  # migrated by this run's server: kept as the template once it answers
         return

@@ -44,20 +44,25 @@ def flow_runs_in(database: Path) -> int:
         return db.execute("SELECT count(*) FROM flow_run").fetchone()[0]
 
 
-@pytest.mark.system  # three starts of a Prefect server: about 25 s
+@pytest.mark.system  # four starts of a Prefect server: about 30 s
 def test_a_new_folder_starts_from_the_kept_template_and_an_old_one_is_never_kept(tmp_path):
     cache = tmp_path / "cache"
     first = start_server(tmp_path / "a", cache)  # no template yet: this server migrates, its database is kept
     templates = list((cache / "eagle3-pipeline").glob("prefect-*.db"))
     assert len(templates) == 1 and not list(templates[0].parent.glob("*.partial")), templates
     assert first["block_types"] > 0 and first["flow_runs"] == 0 and flow_runs_in(templates[0]) == 0
+    template = templates[0]
 
     second = start_server(tmp_path / "b", cache)  # a copy of it: a server that answers as the first did
     assert second == first
-    copied = tmp_path / "b" / ".prefect" / "prefect.db"
-    assert copied.read_bytes()[:16] == b"SQLite format 3\x00"
+    assert (tmp_path / "b" / ".prefect" / "prefect.db").read_bytes()[:16] == b"SQLite format 3\x00"
+
+    # a template damaged on disk since is not copied: this folder migrates its own, kept as the new template
+    template.write_bytes(template.read_bytes()[:4096] + b"\xff" * 8192)
+    assert start_server(tmp_path / "c", cache) == first
+    assert flow_runs_in(template) == 0 and sqlite3.connect(template).execute("PRAGMA quick_check").fetchone() == ("ok",)
 
     # a folder with a database of its own (its run history) is never made the template
-    templates[0].unlink()
+    template.unlink()
     assert start_server(tmp_path / "b", cache) == first
-    assert not templates[0].exists()
+    assert not template.exists()
