@@ -40,6 +40,11 @@ def task_states(flow_run_id) -> dict[str, tuple[str, int]]:
     return {r.name.rsplit("-", 1)[0]: (r.state.name, r.run_count) for r in recorded_task_runs(flow_run_id)}
 
 
+def run_summary(stdout: str) -> dict:
+    """The summary a finished CLI run prints before its last line."""
+    return json.loads(stdout[stdout.index("{"): stdout.index("\neagle3-pipeline: done")])
+
+
 def untimed(metrics: list[dict]) -> list[dict]:
     """Training metrics without their rates, which differ between equal runs."""
     return [{k: v for k, v in m.items() if k != "tokens_per_s"} for m in metrics]

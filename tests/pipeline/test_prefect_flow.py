@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-from flow_support import small_config, task_states, write_sample_data
+from flow_support import run_summary, small_config, task_states, write_sample_data
 
 from tasks.vocab import vocab_fingerprint
 
@@ -61,7 +61,7 @@ def test_rerun_is_all_cached_and_edited_data_reruns_what_depends_on_it(prefect_a
     capsys.readouterr()
     assert main(["run", str(tmp_path / "run.yaml")]) == 0
     out = capsys.readouterr().out
-    summary = json.loads(out[out.index("{"): out.index("\neagle3-pipeline: done")])
+    summary = run_summary(out)
     assert summary["verifier"].endswith("smollm2-135m-instruct") and Path(summary["verifier"]).is_dir()
     assert all(summary[key]["from_cache"] for key in ("prepared", "extracted", "vocab", "trained", "validated"))
     assert summary["extracted"]["manifest"] == first["extracted"].manifest

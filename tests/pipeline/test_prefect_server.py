@@ -13,7 +13,7 @@ import httpx
 import psutil
 import pytest
 import yaml
-from flow_support import small_config, write_sample_data
+from flow_support import run_summary, small_config, write_sample_data
 from pictures import colour_pixels
 from prefect_stack import PrefectStack, chromium
 
@@ -106,7 +106,7 @@ def cli_run(config, cwd: Path) -> dict:
                          capture_output=True, text=True, timeout=900, cwd=cwd,
                          env={k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")})
     assert cli.returncode == 0, cli.stderr[-3000:]
-    return json.loads(cli.stdout[cli.stdout.index("{"): cli.stdout.index("\neagle3-pipeline: done")])
+    return run_summary(cli.stdout)
 
 
 @pytest.mark.browser
