@@ -8,6 +8,10 @@ TARGET ?= cpu
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_CPU := torch==2.13.0+cpu
 BIN := $(VENV)/bin
+# test processes side by side, each on its own share of the cores (tests/conftest.py): 2 on a 2-core machine
+TEST_WORKERS ?= 2
+# whole modules to each (their fixtures made once), in the order tests/conftest.py sorts them
+PARALLEL := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 .PHONY: install demo test test-fast
 install: $(VENV)/.installed
@@ -37,8 +41,8 @@ demo: install
 test: install
 	# the Prefect UI test screenshots the flow run page in Debian's headless Chromium
 	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium)
-	$(BIN)/pytest
+	$(BIN)/pytest $(PARALLEL)
 
 # while working: everything but the slowest system tests (pyproject.toml's `system` marker) and the UI screenshot
 test-fast: install
-	$(BIN)/pytest -m "not system and not browser"
+	$(BIN)/pytest $(PARALLEL) -m "not system and not browser"

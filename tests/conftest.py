@@ -10,6 +10,34 @@ import pytest
 from tasks.common.demo_assets import ensure_asset
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (`make test`, `make test-fast`: TEST_WORKERS processes), each worker runs on its own
+    share of the machine's cores, as on a machine of its own: unpinned, two workers' torch and vLLM threads
+    wait at every barrier for a core the other holds (2026-12-07, 2 cores, `make test-fast`'s 223 tests: 570 s
+    in one process, 898 s in two unpinned, 459 s in two pinned). Its children (trainings, engines) inherit it."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if worker and count > 1:
+        cores = sorted(os.sched_getaffinity(0))
+        share = set(cores[int(worker.removeprefix("gw")) % count::count]) or set(cores)  # fewer cores than workers: all
+        os.sched_setaffinity(0, share)
+        os.environ.setdefault("OMP_NUM_THREADS", str(len(share)))
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects the system tests counted here, and before xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    """Whole modules to each pytest-xdist worker (`--dist loadgroup`; a module's tests are one group, so its
+    module-scoped fixtures are made once; modules sharing a costly session fixture name one group for it), the
+    modules with the most system tests (20 s or more each) first: a long module handed out last would run
+    alone at the end while the other worker idles. Without xdist the order is the same, and harmless."""
+    system_tests: dict[str, int] = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        system_tests[module] = system_tests.get(module, 0) + bool(item.get_closest_marker("system"))
+        if not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(module))
+    items.sort(key=lambda item: -system_tests[item.nodeid.split("::")[0]])  # stable: each module's order kept
+
+
 @pytest.fixture(scope="session")
 def prefect_api():
     """One Prefect test server for the session's in-process flow runs (its start migrates a new database:

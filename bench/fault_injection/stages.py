@@ -170,9 +170,9 @@ POLITE_STOP_S = 10.0  # what the pipeline promises for SIGTERM or SIGINT (README
 
 @contextlib.contextmanager
 def cpu_burner():
-    """A process spinning on each core while inside: the loaded machine a polite stop must keep its
-    promise on (the trials that measured 4.8-27.8 s ran at a load of 3-20)."""
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    """A process spinning on each core this process may use while inside: the loaded machine a polite stop must
+    keep its promise on (the trials that measured 4.8-27.8 s ran at a load of 3-20)."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in os.sched_getaffinity(0)]
     try:
         yield
     finally:

@@ -145,8 +145,8 @@ def run_worker_processes(module: str, label: str, job: ExtractJob, workers: int,
         if visible and len(visible) >= workers:
             per = len(visible) // workers
             env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[rank * per: (rank + 1) * per])
-        elif not visible:
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
+        elif not visible:  # the cores this process may use (a Slurm or container cpuset, taskset), not the host's
+            env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // workers))
         progress_file = job_file.with_name(f"rank-{rank}.jsonl")
         commands.append(worker_command(module, job_file, rank, workers, progress_file))
         envs.append(env)
