@@ -10,8 +10,8 @@ TORCH_CPU := torch==2.13.0+cpu
 BIN := $(VENV)/bin
 # test processes side by side, each on its own share of the cores (tests/conftest.py): 2 on a 2-core machine
 TEST_WORKERS ?= 2
-# whole modules to each (their fixtures made once), in the order tests/conftest.py sorts them
-PARALLEL := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+# whole modules to each (their module fixtures made once), in the order tests/conftest.py sorts them
+PARALLEL := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 .PHONY: install demo test test-fast
 install: $(VENV)/.installed

