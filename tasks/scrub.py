@@ -12,7 +12,9 @@ seal and sizes); the scrub reads every byte:
   records carry checksums, and the extraction's journal of shards. A record that fails is discarded by
   any reader; here its file is moved aside as `<part>.jsonl.damaged` and its intact records written
   back, so the next run redoes what the record held (an answer, a prompt; a shard is only verified again);
-- vocabularies, against their checksums (the next run builds a damaged one again, as it does now).
+- vocabularies, against their checksums (the next run builds a damaged one again, as it does now);
+- validation reports (validation/<fp>/report.json), read as the run summary, the registry and its gate read
+  them; one that is not a report is moved aside as `report.json.damaged` and the next run validates again.
 
 The damage is repaired by the same `eagle3-pipeline run CONFIG`: each stage's cache key sees what was
 moved aside here (`training_repairs_pending`, `journal_repairs_pending`, shards.quarantined_shards),
@@ -38,6 +40,7 @@ from tasks.prepare.synthesize import written
 DRAFT_MARKER, CHECKPOINT_MARKER, VOCAB_MARKER = "CHECKSUMS.json", "COMPLETE", "report.json"
 DAMAGED_FOLDER = "damaged"  # a training folder's checkpoints and drafts moved aside
 ANSWER_PARTS, PROMPT_PARTS = "regenerated/answers-*/parts", "synthesized/*/parts"
+OUTPUT_FOLDERS = ("hidden_states", "train", "vocab", "regenerated", "synthesized", "validation")
 
 
 class NotAnOutputFolder(PermanentError, ValueError):
@@ -51,15 +54,15 @@ def verify_command(output_dir: str) -> int:
     out = Path(output_dir).resolve()
     if not out.is_dir():
         raise NotAnOutputFolder(f"{out} is not a folder")
-    if not any((out / stage).is_dir() for stage in ("hidden_states", "train", "vocab", "regenerated", "synthesized")):
-        raise NotAnOutputFolder(f"{out} holds no pipeline outputs (hidden_states/, train/, vocab/, regenerated/, "
-                                "synthesized/): give a config's output_dir")
+    if not any((out / stage).is_dir() for stage in OUTPUT_FOLDERS):
+        raise NotAnOutputFolder(f"{out} holds no pipeline outputs ({', '.join(f + '/' for f in OUTPUT_FOLDERS)}): "
+                                "give a config's output_dir")
     with folder_lock(out, "eagle3-pipeline verify"):  # no run moves files while they are checked
         problems = scrub(out)
     for problem in problems:
         print(problem.line())
     if not problems:
-        print(f"verified {out}: every shard, checkpoint, draft, journal and vocabulary is intact")
+        print(f"verified {out}: every shard, checkpoint, draft, journal, vocabulary and validation report is intact")
         return 0
     print(f"{len(problems)} problem(s), each line says what was done with it. Repair: run the config that wrote "
           f"{out} again, unchanged: `eagle3-pipeline run CONFIG` (no --refresh needed: each stage redoes what is "
@@ -81,7 +84,7 @@ def scrub(output_dir: str | Path) -> list[Problem]:
     """Every problem found under `output_dir`, what failed already moved aside."""
     out = Path(output_dir)
     return [*scrub_shards(out / "hidden_states"), *scrub_training(out / "train"), *scrub_journals(out),
-            *scrub_vocabularies(out / "vocab")]
+            *scrub_vocabularies(out / "vocab"), *scrub_validation_reports(out / "validation")]
 
 
 # ---------------------------------------------------------------------------------- shards
@@ -301,3 +304,27 @@ def scrub_vocabularies(root: Path) -> list[Problem]:
             for folder in sorted(p for p in root.glob("[!.]*") if p.is_dir())  # not one being written
             if (problem := damage(folder, VOCAB_MARKER))]
 
+
+
+# ---------------------------------------------------------------------------------- validation
+
+
+def scrub_validation_reports(root: Path) -> list[Problem]:
+    """Each validation's report.json, read as the run summary, the registry and its gate read it. One that is
+    not a report is moved aside as `report.json.damaged`: the validate stage's cache key sees its report gone
+    (flows/stages.py `_validate_key`), and the next run validates that draft again."""
+    redo = "the next run validates that draft again"
+    problems = [Problem(aside.with_name("report.json"), f"moved aside by an earlier check; {redo}")
+                for aside in sorted(root.glob(f"[!.]*/report.json{QUARANTINE_SUFFIX}"))
+                if not aside.with_name("report.json").exists()]
+    for report in sorted(root.glob("[!.]*/report.json")):  # not a temporary folder
+        try:
+            read = json.loads(report.read_bytes())
+            problem = None if isinstance(read, dict) and "static" in read else "JSON, but no report's static checks"
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            problem = f"not JSON ({e})"
+        if problem:
+            aside = unused_name(report.with_name(report.name + QUARANTINE_SUFFIX))
+            os.replace(report, aside)
+            problems.append(Problem(report, f"not a validation report: {problem}; moved aside as {aside.name}; {redo}"))
+    return problems

@@ -18,6 +18,7 @@ import hashlib
 import importlib.util
 import json
 import logging
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -206,8 +207,12 @@ def check_live(report: dict, settings) -> None:
 
 
 def write_reports(out_dir: Path, report: dict) -> None:
-    (out_dir / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    """report.md, then report.json whole or not at all (written aside, then renamed): a report.json there is a
+    validation that finished, for the validate stage's cache key (flows/stages.py) and the scrub."""
     (out_dir / "report.md").write_text(markdown(report))
+    written = out_dir / ".report.json.tmp"
+    written.write_text(json.dumps(report, indent=1, default=str))
+    os.replace(written, out_dir / "report.json")
 
 
 def markdown(report: dict) -> str:

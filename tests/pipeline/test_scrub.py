@@ -1,7 +1,7 @@
 """`eagle3-pipeline verify OUTPUT_DIR` (tasks/scrub.py) on a real completed run: the damage a cached run
 skips (a byte flipped in a shard, the newest checkpoint's weights cut to half, an answer edited in the
-regeneration's journal) is found by the command in its own process, moved aside, and repaired by the
-next run of the same config, which gives the same draft."""
+regeneration's journal; then a validation report cut short) is found by the command in its own process, moved
+aside, and repaired by the next run of the same config, which gives the same draft and validates it again."""
 
 from __future__ import annotations
 
@@ -88,7 +88,23 @@ def test_verify_finds_what_a_cached_run_skips_and_the_next_run_repairs_it(prefec
     assert checkpoints[-1].is_dir()
     assert (Path(second["trained"].draft_path) / "model.safetensors").read_bytes() == draft
     code, printed = verify(out)  # a clean folder
-    assert code == 0 and f"verified {out}: every shard, checkpoint, draft, journal and vocabulary is intact" in printed
+    intact = f"verified {out}: every shard, checkpoint, draft, journal, vocabulary and validation report is intact"
+    assert code == 0 and intact in printed
+
+    # the validation report cut short (the registry and the run summary read it; a cached run does not)
+    report = Path(second["validated"].report_json)
+    written = json.loads(report.read_text())
+    report.write_text(report.read_text()[:100])
+    code, printed = verify(out)
+    assert code == 1 and f"damaged: {report}: not a validation report: not JSON (" in printed, printed
+    assert "the next run validates that draft again" in printed and not report.exists()
+    assert report.with_name("report.json.damaged").is_file()
+    third, states = run(config)
+    assert {name: state for name, (state, _) in states.items()} == {
+        "prepare": "Cached", "extract": "Cached", "vocab": "Cached", "train": "Cached", "validate": "Completed"}
+    assert json.loads(Path(third["validated"].report_json).read_text())["static"] == written["static"]
+    code, printed = verify(out)
+    assert code == 0 and intact in printed
 
 
 def test_verify_refuses_a_folder_that_is_not_an_output_folder(tmp_path, capsys):
