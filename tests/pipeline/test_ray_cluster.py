@@ -62,19 +62,24 @@ def ray_config(out: Path, data: Path, cluster, /, *, ray: dict | None = None, **
 
 
 def first_stages_flow(extract: bool = True):
-    """The pipeline's prepare and (with `extract`) extract stages, as the pipeline runs them."""
+    """The pipeline's prepare and (with `extract`) extract stages, as the pipeline runs them: their cache in
+    the output folder (flows/task_support.py `result_storage`), not in Prefect's default ~/.prefect/storage,
+    where it outlived the folder: a later session's test folder at the same path found a cache hit there."""
     from prefect import flow
 
     from flows.ray_stages import cluster_for_run
     from flows.stages import extract_task, prepare_task
+    from flows.task_support import result_storage
     from tasks.common.demo_assets import resolve_config
 
     @flow(name="first-stages")
     def first_stages(config):
         config = resolve_config(config)
+        storage = result_storage(config)
+        prepare, extract_stage = (t.with_options(result_storage=storage) for t in (prepare_task, extract_task))
         with cluster_for_run(config):
-            prepared = prepare_task(config)
-            return (prepared, extract_task(config, prepared)) if extract else prepared
+            prepared = prepare(config)
+            return (prepared, extract_stage(config, prepared)) if extract else prepared
 
     return first_stages
 
