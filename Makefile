@@ -8,7 +8,8 @@ TARGET ?= cpu
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_CPU := torch==2.13.0+cpu
 BIN := $(VENV)/bin
-# test processes side by side, each on its own share of the cores (tests/conftest.py): 2 on a 2-core machine
+# test processes side by side, each on its own share of the cores (tests/conftest.py); 2 fits this project's
+# 2-core machines and CI; more cores: a larger share each, or more workers if memory allows
 TEST_WORKERS ?= 2
 # whole modules to each (their module fixtures made once), in the order tests/conftest.py sorts them
 PARALLEL := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder

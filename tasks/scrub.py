@@ -305,7 +305,6 @@ def scrub_vocabularies(root: Path) -> list[Problem]:
             if (problem := damage(folder, VOCAB_MARKER))]
 
 
-
 # ---------------------------------------------------------------------------------- validation
 
 
